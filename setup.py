@@ -1,0 +1,40 @@
+"""Installs fusedrl: the three code folders become subpackages of one import name.
+
+`kernels/` installs as `fusedrl.kernels` (not top-level `kernels`, which would shadow the PyPI
+package of that name that transformers probes for), `slime_ext/` as `fusedrl.slime_ext` and
+`sglang_plugin/` as `fusedrl.sglang_plugin`.
+"""
+
+from setuptools import setup
+
+SUBPACKAGES = {
+    "fusedrl.kernels": "kernels",
+    "fusedrl.slime_ext": "slime_ext",
+    "fusedrl.slime_ext.losses": "slime_ext/losses",
+    "fusedrl.sglang_plugin": "sglang_plugin",
+}
+
+setup(
+    name="fusedrl",
+    version="0.1.0",
+    description="Fused Triton kernels for policy-gradient losses of LLM RL, as a drop-in for slime",
+    python_requires=">=3.10",
+    packages=list(SUBPACKAGES),
+    package_dir=SUBPACKAGES,
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "test": [
+            "triton>=3.1",
+            "megatron-core>=0.12",
+            "pytest>=8",
+            "pytest-timeout",
+            "hypothesis",
+        ],
+        "bench": ["matplotlib", "pytest-benchmark"],
+    },
+    entry_points={
+        "sglang.srt.plugins": [
+            "fusedrl_token_samples = fusedrl.sglang_plugin.plugin:register",
+        ],
+    },
+)
