@@ -1,0 +1,122 @@
+"""The contract shared by the fused token-statistics kernel and its eager reference.
+
+Both entry points accept the same arguments, reject the same bad input with the same message and
+return the same `TokenStats`, so the checks and the result type live here once. Every failure is a ValueError naming the argument, the
+first bad value and where it sits.
+"""
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
+
+
+class TokenStats(NamedTuple):
+    """Per-row results; N rows (T, or len(rows)), J ids per row, all float32 (float64 for float64 logits).
+
+    logp: log softmax(logits / temperature) at each id, [N, J].
+    entropy: entropy of softmax(logits / temperature), [N], or None when not requested.
+    scores: logits / temperature at each id, [N, J]; its gradient is a pure one-hot scatter (no
+        softmax term), so differences of scores (score-function centering) carry no lse.
+    """
+
+    logp: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    scores: torch.Tensor
+
+
+class TokenStatsInputs(NamedTuple):
+    """Validated arguments: 2-D logits view, ids, optional rows, and the tp layout."""
+
+    logits: torch.Tensor  # [T, V_local]
+    ids: torch.Tensor  # [N, J], int64
+    rows: Optional[torch.Tensor]  # [N] int64 or None (then N = T)
+    temperature: float
+    vocab_start: int
+    vocab_global: int
+
+
+def as_2d_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Accept [T, V] or slime's [1, T, V]; return the [T, V] view."""
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() == 3 and logits.shape[0] == 1:
+        logits = logits[0]
+    if logits.dim() != 2:
+        raise ValueError(f"logits must have shape [T, V] or [1, T, V], got {tuple(logits.shape)}")
+    return logits
+
+
+def check_temperature(temperature) -> float:
+    """A sampling temperature must be a finite positive number."""
+    value = float(temperature)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    return value
+
+
+def _first_bad(mask: torch.Tensor):
+    """Index tuple of the first True element of mask."""
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def check_token_stats_inputs(
+    logits, ids, temperature, rows, tp_size: int, tp_rank: int, validate: bool, dtypes=KERNEL_DTYPES
+) -> TokenStatsInputs:
+    """Normalise shapes and, when `validate`, check every value the kernel would trust blindly."""
+    logits = as_2d_logits(logits)
+    temperature = check_temperature(temperature)
+    num_rows, vocab_local = logits.shape
+    if logits.dtype not in dtypes:
+        raise ValueError(f"logits dtype must be one of {dtypes}, got {logits.dtype}")
+    if vocab_local == 0:
+        raise ValueError("logits must have at least one vocabulary column, got V_local = 0")
+    if logits.stride(1) != 1:
+        raise ValueError(f"logits' last dim must be contiguous, got strides {logits.stride()}")
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be an integer tensor, got {getattr(ids, 'dtype', type(ids))}")
+    if ids.dim() != 2:
+        raise ValueError(f"ids must have shape [N, J], got {tuple(ids.shape)}")
+    if ids.shape[1] == 0:
+        raise ValueError("ids must hold at least one id per row, got J = 0")
+    if ids.device != logits.device:
+        raise ValueError(f"ids are on {ids.device} but logits on {logits.device}")
+    if rows is not None:
+        rows = _check_rows(rows, num_rows, logits.device, validate)
+    expected = num_rows if rows is None else rows.numel()
+    if ids.shape[0] != expected:
+        what = "T (logits rows)" if rows is None else "len(rows)"
+        raise ValueError(f"ids must have {what} = {expected} rows, got ids of shape {tuple(ids.shape)}")
+    vocab_global = vocab_local * tp_size
+    if validate and ids.numel() > 0:
+        bad = (ids < 0) | (ids >= vocab_global)
+        if bool(bad.any()):
+            row, slot = _first_bad(bad)
+            raise ValueError(
+                f"ids must lie in [0, {vocab_global}), got ids[{row}, {slot}] = {int(ids[row, slot])}"
+            )
+    return TokenStatsInputs(logits, ids.long(), rows, temperature, tp_rank * vocab_local, vocab_global)
+
+
+def _check_rows(rows, num_rows: int, device, validate: bool) -> torch.Tensor:
+    """rows: 1-D distinct integer indices into the logits' rows."""
+    if not isinstance(rows, torch.Tensor) or rows.dtype.is_floating_point or rows.dtype == torch.bool:
+        raise ValueError(f"rows must be an integer tensor, got {getattr(rows, 'dtype', type(rows))}")
+    if rows.dim() != 1:
+        raise ValueError(f"rows must be 1-D, got shape {tuple(rows.shape)}")
+    if rows.device != device:
+        raise ValueError(f"rows are on {rows.device} but logits on {device}")
+    if validate and rows.numel() > 0:
+        bad = (rows < 0) | (rows >= num_rows)
+        if bool(bad.any()):
+            (i,) = _first_bad(bad)
+            raise ValueError(f"rows must lie in [0, {num_rows}), got rows[{i}] = {int(rows[i])}")
+        sorted_rows, _ = rows.sort()
+        repeated = sorted_rows[1:] == sorted_rows[:-1]
+        if bool(repeated.any()):
+            (i,) = _first_bad(repeated)
+            raise ValueError(f"rows must be distinct, got row {int(sorted_rows[i])} more than once")
+    return rows.long()

@@ -1,0 +1,36 @@
+"""Which tensor-parallel group the vocabulary is split over.
+
+An explicit group wins; otherwise megatron-core's tensor-model-parallel group when it is
+initialised (slime's case); otherwise no split (tp = 1). megatron-core is optional.
+"""
+
+import sys
+from typing import NamedTuple, Optional
+
+import torch.distributed as dist
+
+
+class TensorParallel(NamedTuple):
+    group: Optional[object]
+    size: int
+    rank: int
+
+
+def resolve_tp(tp_group=None) -> TensorParallel:
+    """The group, its size and this process's rank in it (size 1 and group None when unsplit)."""
+    if tp_group is None:
+        tp_group = _megatron_tp_group()
+    if tp_group is None or not dist.is_initialized():
+        return TensorParallel(None, 1, 0)
+    size = dist.get_world_size(tp_group)
+    if size == 1:
+        return TensorParallel(None, 1, 0)
+    return TensorParallel(tp_group, size, dist.get_rank(tp_group))
+
+
+def _megatron_tp_group():
+    # Only a process that imported parallel_state can have initialised it: skip the heavy import.
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_tensor_model_parallel_group()

@@ -1,0 +1,87 @@
+"""Eager float64 references: the tests' truth, and the CPU path when Triton is not interpreted.
+
+Written the plain way (full softmax over the gathered vocabulary) so that it shares no numerics
+with the fused kernels: with float64 logits it is exact to float64 rounding.
+"""
+
+import torch
+import torch.distributed as dist
+
+from ._contract import REFERENCE_DTYPES, TokenStats, check_token_stats_inputs
+from ._tp import resolve_tp
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather vocabulary shards into full rows; backward keeps this rank's column slice.
+
+    Every rank then computes the same loss on the same full rows, so the gradient of its shard is
+    exactly its slice of the full gradient: no reduction is needed.
+    """
+
+    @staticmethod
+    def forward(ctx, shard, group, rank):
+        ctx.rank, ctx.width = rank, shard.shape[-1]
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        start = ctx.rank * ctx.width
+        return grad_full[..., start : start + ctx.width], None, None
+
+
+def token_stats_reference(
+    logits,
+    ids,
+    *,
+    temperature=1.0,
+    with_entropy=False,
+    tp_group=None,
+    rows=None,
+    inplace_backward=False,
+    validate=True,
+) -> TokenStats:
+    """Same arguments and results as `fusedrl.kernels.token_stats`, computed in float64 eagerly.
+
+    `inplace_backward` is accepted for signature parity and ignored (the gradient is a new tensor).
+    """
+    del inplace_backward
+    tp = resolve_tp(tp_group)
+    inputs = check_token_stats_inputs(
+        logits, ids, temperature, rows, tp.size, tp.rank, validate, REFERENCE_DTYPES
+    )
+    out_dtype = torch.promote_types(inputs.logits.dtype, torch.float32)
+    selected = inputs.logits if inputs.rows is None else inputs.logits.index_select(0, inputs.rows)
+    tempered = selected.double() / inputs.temperature
+    if tp.group is not None:
+        tempered = _GatherVocab.apply(tempered, tp.group, tp.rank)
+    log_probs = torch.log_softmax(tempered, dim=-1)
+    logp = log_probs.gather(1, inputs.ids)
+    scores = tempered.gather(1, inputs.ids)
+    entropy = None
+    if with_entropy:
+        entropy = -(log_probs.exp() * log_probs).sum(-1).to(out_dtype)
+    return TokenStats(logp.to(out_dtype), entropy, scores.to(out_dtype))
+
+
+def token_logprobs_reference(logits, ids, **kwargs):
+    """(logp, entropy) of `token_stats_reference`."""
+    stats = token_stats_reference(logits, ids, **kwargs)
+    return stats.logp, stats.entropy
+
+
+def segment_sum_reference(values, mask, segment_ids, denominators):
+    """Same result as `fusedrl.kernels.segment_sum` on checked inputs, computed in float64 eagerly.
+
+    Written the plain way (masked sum per segment, then divide, then add the segments) so that it
+    shares no numerics with the kernel's per-token weights; differentiable through autograd. Does
+    not check its inputs: `segment_sum` checks them before dispatching here.
+    """
+    out_dtype = torch.promote_types(values.dtype, torch.float32)
+    matrix = values.double() if values.dim() == 2 else values.double().unsqueeze(1)
+    masked = matrix * mask.double().unsqueeze(1)
+    per_segment = masked.new_zeros((denominators.numel(), matrix.shape[1]))
+    per_segment = per_segment.index_add(0, segment_ids.long(), masked)
+    total = (per_segment / denominators.double().unsqueeze(1)).sum(dim=0)
+    return total.reshape(values.shape[1:]).to(out_dtype)

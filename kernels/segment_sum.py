@@ -1,0 +1,275 @@
+"""Segmented masked sum: per channel c, `sum_s (sum_{i in s} x[i, c] * m[i]) / D_s`, in one pass.
+
+This is how every loss-aggregation mode reduces a micro-batch's per-token values: token i of
+segment (sample) s weighs `m[i] / D_s`, with the denominators `D_s` fixed at step level so that
+partial sums over micro-batches, data-parallel ranks and context-parallel chunks add up to the
+whole step. C channels (pg_loss, entropy, approximate KL, clip fraction, ...) share one read of
+the mask, segment ids and denominators.
+
+Public form: a per-token segment index (`segment_ids[i]` = the segment of token i, any order,
+segments may be empty), not per-segment lengths, so callers can pass CP-local tokens whose
+segments are not contiguous runs of a known length without rebuilding offsets.
+
+Deterministic by construction: each program sums a fixed block of rows into its own partial
+(no atomics), and a second kernel adds the partials in block order. The same inputs give
+bitwise identical outputs and gradients. The backward is `dx[i, c] = g[c] * m[i] / D_{s(i)}`, a
+pure elementwise write; the mask and denominators are constants of the step and get no gradient.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import segment_sum_reference
+from .token_stats import uses_triton
+
+VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+BLOCK_ELEMENTS = 4096  # rows * channels handled by one program
+MAX_BLOCK_CHANNELS = 16
+PARTIALS_PER_STEP = 16  # partial rows the final reduction adds per loop step
+
+
+@triton.jit
+def _token_weights(mask_ptr, segment_ptr, denom_ptr, rows, row_ok):
+    """m[i] / D_{s(i)} for a block of rows (0 outside the tensor), in the accumulation dtype."""
+    mask = tl.load(mask_ptr + rows, mask=row_ok, other=0.0)
+    segment = tl.load(segment_ptr + rows, mask=row_ok, other=0)
+    denominator = tl.load(denom_ptr + segment, mask=row_ok, other=1.0)
+    return mask / denominator
+
+
+@triton.jit
+def _segment_sum_partials_kernel(
+    values_ptr,
+    stride_row,
+    stride_channel,
+    mask_ptr,
+    segment_ptr,
+    denom_ptr,
+    partials_ptr,
+    num_rows,
+    num_channels,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+):
+    """One program per (row block, channel block): the block's weighted column sums."""
+    row_block = tl.program_id(0).to(tl.int64)
+    channel_block = tl.program_id(1).to(tl.int64)
+    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+    channels = channel_block * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS).to(tl.int64)
+    row_ok = rows < num_rows
+    channel_ok = channels < num_channels
+    weight = _token_weights(mask_ptr, segment_ptr, denom_ptr, rows, row_ok)
+    tile = row_ok[:, None] & channel_ok[None, :]
+    offsets = rows[:, None] * stride_row + channels[None, :] * stride_channel
+    values = tl.load(values_ptr + offsets, mask=tile, other=0.0).to(weight.dtype)
+    block_sum = tl.sum(values * weight[:, None], axis=0)
+    tl.store(partials_ptr + row_block * num_channels + channels, block_sum, mask=channel_ok)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    partials_ptr,
+    out_ptr,
+    num_blocks,
+    num_channels,
+    BLOCK_PARTIALS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+):
+    """One program per channel block: the row-block partials added in block order."""
+    channel_block = tl.program_id(0).to(tl.int64)
+    channels = channel_block * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS).to(tl.int64)
+    channel_ok = channels < num_channels
+    acc = tl.zeros([BLOCK_PARTIALS, BLOCK_CHANNELS], dtype=out_ptr.dtype.element_ty)
+    for start in range(0, num_blocks, BLOCK_PARTIALS):
+        blocks = start + tl.arange(0, BLOCK_PARTIALS).to(tl.int64)
+        tile = (blocks < num_blocks)[:, None] & channel_ok[None, :]
+        acc += tl.load(partials_ptr + blocks[:, None] * num_channels + channels[None, :], mask=tile, other=0.0)
+    tl.store(out_ptr + channels, tl.sum(acc, axis=0), mask=channel_ok)
+
+
+@triton.jit
+def _segment_sum_bwd_kernel(
+    grad_out_ptr,
+    mask_ptr,
+    segment_ptr,
+    denom_ptr,
+    grad_values_ptr,
+    num_rows,
+    num_channels,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+):
+    """dx[i, c] = g[c] * m[i] / D_{s(i)}, each element written once (grad_values is contiguous)."""
+    row_block = tl.program_id(0).to(tl.int64)
+    channel_block = tl.program_id(1).to(tl.int64)
+    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+    channels = channel_block * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS).to(tl.int64)
+    row_ok = rows < num_rows
+    channel_ok = channels < num_channels
+    weight = _token_weights(mask_ptr, segment_ptr, denom_ptr, rows, row_ok)
+    grad_out = tl.load(grad_out_ptr + channels, mask=channel_ok, other=0.0).to(weight.dtype)
+    grad = weight[:, None] * grad_out[None, :]
+    tile = row_ok[:, None] & channel_ok[None, :]
+    offsets = rows[:, None] * num_channels + channels[None, :]
+    tl.store(grad_values_ptr + offsets, grad.to(grad_values_ptr.dtype.element_ty), mask=tile)
+
+
+def _blocks(num_channels: int):
+    """(rows, channels) per program; depends only on C, so a given C always reduces the same way."""
+    block_channels = min(MAX_BLOCK_CHANNELS, triton.next_power_of_2(max(num_channels, 1)))
+    return BLOCK_ELEMENTS // block_channels, block_channels
+
+
+class _SegmentSumFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values, mask, segment_ids, denominators):
+        num_rows, num_channels = values.shape
+        block_rows, block_channels = _blocks(num_channels)
+        row_blocks = triton.cdiv(num_rows, block_rows)
+        channel_blocks = triton.cdiv(num_channels, block_channels)
+        partials = torch.empty((row_blocks, num_channels), dtype=denominators.dtype, device=values.device)
+        out = torch.empty((num_channels,), dtype=denominators.dtype, device=values.device)
+        if num_rows > 0 and num_channels > 0:
+            _segment_sum_partials_kernel[(row_blocks, channel_blocks)](
+                values,
+                values.stride(0),
+                values.stride(1),
+                mask,
+                segment_ids,
+                denominators,
+                partials,
+                num_rows,
+                num_channels,
+                BLOCK_ROWS=block_rows,
+                BLOCK_CHANNELS=block_channels,
+            )
+        if num_channels > 0:
+            _sum_partials_kernel[(channel_blocks,)](
+                partials,
+                out,
+                row_blocks,
+                num_channels,
+                BLOCK_PARTIALS=PARTIALS_PER_STEP,
+                BLOCK_CHANNELS=block_channels,
+            )
+        ctx.save_for_backward(mask, segment_ids, denominators)
+        ctx.values_dtype = values.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        mask, segment_ids, denominators = ctx.saved_tensors
+        num_rows, num_channels = mask.numel(), grad_out.numel()
+        grad_values = torch.empty((num_rows, num_channels), dtype=ctx.values_dtype, device=mask.device)
+        if num_rows > 0 and num_channels > 0:
+            block_rows, block_channels = _blocks(num_channels)
+            grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(num_channels, block_channels))
+            _segment_sum_bwd_kernel[grid](
+                grad_out.to(denominators.dtype).contiguous(),
+                mask,
+                segment_ids,
+                denominators,
+                grad_values,
+                num_rows,
+                num_channels,
+                BLOCK_ROWS=block_rows,
+                BLOCK_CHANNELS=block_channels,
+            )
+        return grad_values, None, None, None
+
+
+def _is_integer(tensor: torch.Tensor) -> bool:
+    return not tensor.dtype.is_floating_point and not tensor.dtype.is_complex and tensor.dtype != torch.bool
+
+
+def _check_tensor(name: str, tensor, dims: int) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(tensor.shape)}")
+
+
+def _first_bad_index(bad: torch.Tensor) -> int:
+    return int(bad.nonzero()[0, 0])
+
+
+def check_segment_sum_inputs(values, mask, segment_ids, denominators, validate: bool) -> None:
+    """Shapes, dtypes and devices always; with `validate`, the values the kernel trusts (host syncs).
+
+    Every failure is a ValueError naming the argument and the first bad value.
+    """
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if values.dim() not in (1, 2):
+        raise ValueError(f"values must have shape [N] or [N, C], got {tuple(values.shape)}")
+    if values.dtype not in VALUE_DTYPES:
+        raise ValueError(f"values dtype must be one of {VALUE_DTYPES}, got {values.dtype}")
+    num_rows = values.shape[0]
+    _check_tensor("mask", mask, 1)
+    _check_tensor("segment_ids", segment_ids, 1)
+    _check_tensor("denominators", denominators, 1)
+    for name, tensor in (("mask", mask), ("segment_ids", segment_ids)):
+        if tensor.numel() != num_rows:
+            raise ValueError(f"{name} must have N = {num_rows} entries (values' rows), got {tensor.numel()}")
+    if mask.dtype.is_complex:
+        raise ValueError(f"mask must be real (bool, integer or float), got {mask.dtype}")
+    if not _is_integer(segment_ids):
+        raise ValueError(f"segment_ids must be an integer tensor, got {segment_ids.dtype}")
+    if denominators.dtype.is_complex or denominators.dtype == torch.bool:
+        raise ValueError(f"denominators must be real numbers, got {denominators.dtype}")
+    for name, tensor in (("mask", mask), ("segment_ids", segment_ids), ("denominators", denominators)):
+        if tensor.device != values.device:
+            raise ValueError(f"{name} is on {tensor.device} but values on {values.device}")
+    for name, tensor in (("mask", mask), ("denominators", denominators)):
+        if tensor.requires_grad:
+            raise ValueError(f"{name} must not require grad: it is a constant of the step, got requires_grad=True")
+    if validate:
+        _check_values(mask, segment_ids, denominators)
+
+
+def _check_values(mask, segment_ids, denominators) -> None:
+    num_segments = denominators.numel()
+    if segment_ids.numel() > 0:
+        bad = (segment_ids < 0) | (segment_ids >= num_segments)
+        if bool(bad.any()):
+            i = _first_bad_index(bad)
+            raise ValueError(f"segment_ids must lie in [0, {num_segments}), got segment_ids[{i}] = {int(segment_ids[i])}")
+    if mask.dtype.is_floating_point and mask.numel() > 0:
+        bad = ~torch.isfinite(mask)
+        if bool(bad.any()):
+            i = _first_bad_index(bad)
+            raise ValueError(f"mask must be finite, got mask[{i}] = {float(mask[i])}")
+    if num_segments > 0:
+        bad = ~(denominators > 0) | ~torch.isfinite(denominators.double())
+        if bool(bad.any()):
+            i = _first_bad_index(bad)
+            raise ValueError(f"denominators must be finite and > 0, got denominators[{i}] = {float(denominators[i])}")
+
+
+def segment_sum(values, mask, segment_ids, denominators, *, validate=True) -> torch.Tensor:
+    """Per channel, the sum over segments s of (masked sum of the segment's values) / D_s.
+
+    values: [N] or [N, C] per-token values (fp32, bf16, fp16 or fp64; any strides).
+    mask: [N] per-token weights m (bool, integer or float; slime's loss mask), multiplied in.
+    segment_ids: [N] integer segment of each token, in [0, S); any order, segments may be empty.
+    denominators: [S] per-segment D_s, finite and > 0 (a fully masked segment contributes 0).
+    validate: check segment ids, mask and denominator values (host syncs); shapes, dtypes and
+        devices are always checked.
+
+    Returns `values.shape[1:]` (a 0-d tensor for [N] values), accumulated and returned in fp32
+    (fp64 for fp64 values). Differentiable with respect to values: dx = g * m / D_s. CPU tensors
+    outside the Triton interpreter take the float64 eager reference.
+    """
+    check_segment_sum_inputs(values, mask, segment_ids, denominators, validate)
+    if not uses_triton(values):
+        return segment_sum_reference(values, mask, segment_ids, denominators)
+    accumulate = torch.promote_types(values.dtype, torch.float32)
+    matrix = values if values.dim() == 2 else values.unsqueeze(1)
+    out = _SegmentSumFunction.apply(
+        matrix,
+        mask.to(accumulate).contiguous(),
+        segment_ids.to(torch.int64).contiguous(),
+        denominators.to(accumulate).contiguous(),
+    )
+    return out.reshape(values.shape[1:])

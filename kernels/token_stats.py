@@ -1,0 +1,315 @@
+"""Fused per-token statistics over vocabulary-parallel logits: log-probs of J ids, entropy, scores.
+
+Why two kernels and one collective. The forward streams each row once with an online softmax and
+emits `3 + J` per-row partials (running max `m`, rescaled exp-sum `s`, rescaled exp-weighted
+centred-logit sum `u`, and the J gathered tempered logits). Under tensor parallelism those partials
+are all-gathered once (`[tp, N, 3 + J]` floats, nothing of size V) and combined locally, so tp = 1
+is the same code without the collective. Every loss in scope depends on a row only through
+`logp[:, j]` and `entropy`, so the backward is one more streaming pass that writes
+`dz' = sum_j c_j e_{id_j} + p * (-G - g_H (z' - E_p[z']))` (see docs/math.md) from the saved lse and
+`E_p[z']`: no collective, each gradient element written exactly once in fp32 and cast (a bf16
+read-modify-write of the target column would lose it), and the softmax term skipped for rows whose
+coefficients vanish (a purely centred score on a fresh token).
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from ._contract import KERNEL_DTYPES, TokenStats, check_token_stats_inputs
+from ._tp import resolve_tp
+from .reference import token_stats_reference
+
+MAX_BLOCK_V = 4096
+
+
+def uses_triton(tensor: torch.Tensor) -> bool:
+    """CUDA tensors run the Triton kernels; CPU tensors only under the Triton interpreter."""
+    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _block_v(vocab_local: int) -> int:
+    return min(MAX_BLOCK_V, triton.next_power_of_2(vocab_local))
+
+
+@triton.jit
+def _token_stats_fwd_kernel(
+    logits_ptr,
+    stride_row,
+    ids_ptr,
+    rows_ptr,
+    partials_ptr,
+    vocab_local,
+    vocab_start,
+    inv_temperature,
+    J: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One program per selected row: online max / exp-sum / centred sum, then the J gathers."""
+    pid = tl.program_id(0).to(tl.int64)
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + pid).to(tl.int64)
+    else:
+        row = pid
+    row_ptr = logits_ptr + row * stride_row
+    offs = tl.arange(0, BLOCK_V)
+
+    running_max = float("-inf")
+    exp_sum = 0.0
+    centred_sum = 0.0  # sum exp(z' - m) * (z' - m), kept relative to m for an exact entropy
+    for start in range(0, vocab_local, BLOCK_V):
+        cols = start + offs
+        z = tl.load(row_ptr + cols, mask=cols < vocab_local, other=float("-inf"))
+        z = z.to(tl.float32) * inv_temperature
+        new_max = tl.maximum(running_max, tl.max(z, axis=0))
+        rescale = tl.exp(running_max - new_max)
+        shifted = z - new_max
+        e = tl.exp(shifted)
+        if WITH_ENTROPY:
+            # Moving the reference point from the old max to the new one shifts every term by
+            # (old - new); the guard keeps 0 * -inf out of the first block.
+            moved = exp_sum * tl.where(exp_sum > 0, running_max - new_max, 0.0)
+            block_centred = tl.sum(e * tl.where(e > 0, shifted, 0.0), axis=0)
+            centred_sum = rescale * (centred_sum + moved) + block_centred
+        exp_sum = exp_sum * rescale + tl.sum(e, axis=0)
+        running_max = new_max
+
+    out = partials_ptr + pid * (3 + J)
+    tl.store(out, running_max)
+    tl.store(out + 1, exp_sum)
+    tl.store(out + 2, centred_sum)
+    for j in tl.static_range(J):
+        local_id = tl.load(ids_ptr + pid * J + j) - vocab_start
+        owned = (local_id >= 0) & (local_id < vocab_local)
+        gathered = tl.load(row_ptr + local_id, mask=owned, other=0.0).to(tl.float32)
+        tl.store(out + 3 + j, gathered * inv_temperature)
+
+
+@triton.jit
+def _token_stats_bwd_kernel(
+    grad_ptr,
+    stride_grad_row,
+    logits_ptr,
+    stride_row,
+    slots_ptr,
+    ids_ptr,
+    scatter_coef_ptr,
+    logp_grad_sum_ptr,
+    entropy_grad_ptr,
+    lse_ptr,
+    mean_z_ptr,
+    vocab_local,
+    vocab_start,
+    inv_temperature,
+    J: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One program per logits row: writes the whole gradient row once (zeros for unselected rows)."""
+    row = tl.program_id(0).to(tl.int64)
+    if HAS_ROWS:
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    selected = slot >= 0
+    safe_slot = tl.where(selected, slot, 0)
+
+    logp_grad_sum = tl.load(logp_grad_sum_ptr + safe_slot, mask=selected, other=0.0)
+    lse = tl.load(lse_ptr + safe_slot, mask=selected, other=0.0)
+    entropy_grad = 0.0
+    mean_z = 0.0
+    if WITH_ENTROPY:
+        entropy_grad = tl.load(entropy_grad_ptr + safe_slot, mask=selected, other=0.0)
+        mean_z = tl.load(mean_z_ptr + safe_slot, mask=selected, other=0.0)
+    needs_softmax = (logp_grad_sum != 0.0) | (entropy_grad != 0.0)
+
+    row_ptr = logits_ptr + row * stride_row
+    grad_row_ptr = grad_ptr + row * stride_grad_row
+    offs = tl.arange(0, BLOCK_V)
+    for start in range(0, vocab_local, BLOCK_V):
+        cols = start + offs
+        in_vocab = cols < vocab_local
+        grad = tl.zeros([BLOCK_V], dtype=tl.float32)
+        if needs_softmax:
+            z = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32) * inv_temperature
+            p = tl.exp(z - lse)
+            grad = -logp_grad_sum * p
+            if WITH_ENTROPY:
+                grad -= entropy_grad * p * (z - mean_z)
+        for j in tl.static_range(J):
+            local_id = tl.load(ids_ptr + safe_slot * J + j, mask=selected, other=-1) - vocab_start
+            coef = tl.load(scatter_coef_ptr + safe_slot * J + j, mask=selected, other=0.0)
+            grad += tl.where(cols == local_id, coef, 0.0)
+        grad = grad * inv_temperature
+        tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
+
+
+def _row_partials(logits, ids, rows, vocab_start, temperature, with_entropy):
+    """Forward kernel launch: [N, 3 + J] fp32 partials of this rank's vocabulary shard."""
+    num_out, num_ids = ids.shape
+    partials = torch.empty((num_out, 3 + num_ids), dtype=torch.float32, device=logits.device)
+    if num_out == 0:
+        return partials
+    vocab_local = logits.shape[1]
+    _token_stats_fwd_kernel[(num_out,)](
+        logits,
+        logits.stride(0),
+        ids,
+        rows if rows is not None else ids,
+        partials,
+        vocab_local,
+        vocab_start,
+        1.0 / temperature,
+        J=num_ids,
+        HAS_ROWS=rows is not None,
+        WITH_ENTROPY=with_entropy,
+        BLOCK_V=_block_v(vocab_local),
+        num_warps=8,
+    )
+    return partials
+
+
+def _combine_partials(partials: torch.Tensor):
+    """Merge per-rank partials [tp, N, 3 + J] into lse, mean tempered logit, entropy and scores."""
+    rank_max, rank_sum, rank_centred = partials[..., 0], partials[..., 1], partials[..., 2]
+    row_max = rank_max.max(dim=0).values
+    weight = torch.exp(rank_max - row_max)
+    exp_sum = (weight * rank_sum).sum(dim=0)
+    centred_sum = (weight * (rank_centred + rank_sum * (rank_max - row_max))).sum(dim=0)
+    log_exp_sum = torch.log(exp_sum)
+    centred_mean = centred_sum / exp_sum
+    lse = row_max + log_exp_sum
+    mean_z = row_max + centred_mean
+    entropy = log_exp_sum - centred_mean
+    scores = partials[..., 3:].sum(dim=0)
+    return lse, mean_z, entropy, scores
+
+
+def _all_rank_partials(partials: torch.Tensor, tp) -> torch.Tensor:
+    """[tp, N, 3 + J]: the one collective of the forward (skipped when the vocabulary is whole)."""
+    if tp.group is None:
+        return partials.unsqueeze(0)
+    gathered = [torch.empty_like(partials) for _ in range(tp.size)]
+    dist.all_gather(gathered, partials, group=tp.group)
+    return torch.stack(gathered)
+
+
+class _TokenStatsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, logits_2d, ids, rows, temperature, with_entropy, tp, vocab_start, inplace):
+        partials = _row_partials(logits_2d, ids, rows, vocab_start, temperature, with_entropy)
+        lse, mean_z, entropy, scores = _combine_partials(_all_rank_partials(partials, tp))
+        ctx.save_for_backward(logits_2d, ids, rows, lse, mean_z)
+        ctx.logits_shape = logits.shape
+        ctx.temperature, ctx.with_entropy = temperature, with_entropy
+        ctx.vocab_start, ctx.inplace = vocab_start, inplace
+        ctx.mark_non_differentiable(lse)
+        return scores - lse.unsqueeze(1), entropy if with_entropy else None, scores
+
+    @staticmethod
+    def backward(ctx, logp_grad, entropy_grad, scores_grad):
+        logits_2d, ids, rows, lse, mean_z = ctx.saved_tensors
+        logp_grad = _zeros_if_none(logp_grad, ids)
+        scores_grad = _zeros_if_none(scores_grad, ids)
+        with_entropy = ctx.with_entropy and entropy_grad is not None
+        grad = logits_2d if ctx.inplace else torch.empty_like(logits_2d)
+        num_rows, vocab_local = logits_2d.shape
+        slots = None
+        if rows is not None:
+            slots = torch.full((num_rows,), -1, dtype=torch.int64, device=rows.device)
+            slots[rows] = torch.arange(rows.numel(), device=rows.device)
+        if num_rows > 0:
+            _token_stats_bwd_kernel[(num_rows,)](
+                grad,
+                grad.stride(0),
+                logits_2d,
+                logits_2d.stride(0),
+                slots if slots is not None else lse,
+                ids,
+                (logp_grad + scores_grad).float().contiguous(),
+                logp_grad.float().sum(dim=1).contiguous(),
+                entropy_grad.float().contiguous() if with_entropy else lse,
+                lse,
+                mean_z,
+                vocab_local,
+                ctx.vocab_start,
+                1.0 / ctx.temperature,
+                J=ids.shape[1],
+                HAS_ROWS=rows is not None,
+                WITH_ENTROPY=with_entropy,
+                BLOCK_V=_block_v(vocab_local),
+                num_warps=8,
+            )
+        return grad.view(ctx.logits_shape), None, None, None, None, None, None, None, None
+
+
+def _zeros_if_none(grad, like):
+    return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if grad is None else grad
+
+
+def token_stats(
+    logits,
+    ids,
+    *,
+    temperature=1.0,
+    with_entropy=False,
+    tp_group=None,
+    rows=None,
+    inplace_backward=False,
+    validate=True,
+) -> TokenStats:
+    """Log-probs and tempered logits of J ids per row, and optionally the entropy, in one pass.
+
+    logits: [T, V_local] or [1, T, V_local] (fp32, bf16 or fp16; last dim contiguous, any row
+        stride). With a tensor-parallel group of size tp (default: megatron-core's when
+        initialised) this rank holds global columns [rank * V_local, (rank + 1) * V_local); every
+        column, vocabulary padding included, takes part in the softmax.
+    ids: [N, J] global vocabulary ids (N = T, or len(rows)); repeated ids are independent slots.
+    temperature: the logits are divided by it (fused; no tempered copy is made).
+    rows: optional distinct row indices; only those rows are read, outputs follow `rows` order and
+        the other rows get a zero gradient (slime's prompt and padding rows).
+    inplace_backward: write the gradient into the logits buffer (the logits must not be used after).
+    validate: check ids and rows values (one host sync each); shapes and dtypes are always checked.
+
+    Returns `TokenStats(logp [N, J], entropy [N] or None, scores [N, J])`, float32.
+    Differentiable with respect to logits. CPU tensors outside the Triton interpreter take the
+    float64 eager reference.
+    """
+    tp = resolve_tp(tp_group)
+    inputs = check_token_stats_inputs(
+        logits, ids, temperature, rows, tp.size, tp.rank, validate, KERNEL_DTYPES
+    )
+    if not uses_triton(inputs.logits):
+        return token_stats_reference(
+            logits,
+            ids,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            tp_group=tp_group,
+            rows=rows,
+            validate=False,
+        )
+    logp, entropy, scores = _TokenStatsFunction.apply(
+        logits,
+        inputs.logits,
+        inputs.ids.contiguous(),
+        None if inputs.rows is None else inputs.rows.contiguous(),
+        inputs.temperature,
+        bool(with_entropy),
+        tp,
+        inputs.vocab_start,
+        bool(inplace_backward),
+    )
+    return TokenStats(logp, entropy, scores)
+
+
+def token_logprobs(logits, ids, **kwargs):
+    """(logp [N, J], entropy [N] or None): `token_stats` without the scores."""
+    stats = token_stats(logits, ids, **kwargs)
+    return stats.logp, stats.entropy

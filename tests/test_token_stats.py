@@ -1,0 +1,205 @@
+"""Parity of the fused token-statistics kernel with the float64 eager reference (tp = 1).
+
+Shapes are chosen to break things: V = 1, a prime V below the block, V just above the block
+(4099 > 4096), J = 9 with repeated ids and ids equal to the sampled token, selected rows, masked
+rows full of NaN that must never be read.
+"""
+
+import pytest
+import torch
+from numerics import rel_err
+
+from fusedrl.kernels import token_stats, token_stats_reference
+
+FP32_TOL = 1e-5
+
+
+def make_ids(num_rows, vocab, num_ids, generator):
+    """Random ids whose slot 0 is the sampled token; slots repeat it and each other."""
+    ids = torch.randint(0, vocab, (num_rows, num_ids), generator=generator)
+    if num_ids > 2:
+        ids[:, 1] = ids[:, 0]
+        ids[:, 2] = ids[:, -1]
+    return ids
+
+
+def upstream_grads(stats, generator):
+    """Random upstream gradients for every output of TokenStats."""
+
+    def like(t):
+        return None if t is None else torch.randn(t.shape, generator=generator, dtype=torch.float32)
+
+    return [like(t) for t in stats]
+
+
+def loss_of(stats, grads):
+    return sum((out.double() * g.double()).sum() for out, g in zip(stats, grads) if out is not None)
+
+
+def run_with_grad(fn, logits, ids, grads=None, **kwargs):
+    """Outputs, upstream gradients and d(loss)/d(logits) of fn(logits, ids, **kwargs)."""
+    logits = logits.detach().requires_grad_(True)
+    stats = fn(logits, ids, **kwargs)
+    grads = grads or upstream_grads(stats, torch.Generator().manual_seed(7))
+    (grad,) = torch.autograd.grad(loss_of(stats, grads), logits)
+    return stats, grads, grad
+
+
+def random_logits(num_rows, vocab, dtype, generator, scale=3.0):
+    return (torch.randn(num_rows, vocab, generator=generator) * scale).to(dtype)
+
+
+def eager_same_dtype(logits, ids, temperature, with_entropy, rows=None):
+    """slime's eager computation carried out in the logits' own dtype: the bar for low precision."""
+    selected = logits if rows is None else logits[rows]
+    log_probs = torch.log_softmax(selected / temperature, dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    return log_probs.gather(1, ids), entropy, (selected / temperature).gather(1, ids)
+
+
+CASES = [
+    # (vocab, num_ids, temperature, with_entropy): every V with J = 1 and J = 9 somewhere, both
+    # temperatures, entropy on and off
+    (1, 1, 1.0, True),
+    (1, 9, 0.7, False),
+    (7, 9, 1.0, True),
+    (7, 1, 0.7, True),
+    (1000, 1, 1.0, False),
+    (1000, 9, 0.7, True),
+    (4099, 9, 1.0, True),
+    (4099, 1, 0.7, False),
+    (9001, 9, 0.7, True),
+]
+
+
+@pytest.mark.parametrize("vocab,num_ids,temperature,with_entropy", CASES)
+def test_fp32_forward_and_backward_match_float64(vocab, num_ids, temperature, with_entropy):
+    gen = torch.Generator().manual_seed(vocab * 31 + num_ids)
+    logits = random_logits(24, vocab, torch.float32, gen)
+    ids = make_ids(24, vocab, num_ids, gen)
+    kwargs = dict(temperature=temperature, with_entropy=with_entropy)
+    stats, grads, grad = run_with_grad(token_stats, logits, ids, **kwargs)
+    truth, _, truth_grad = run_with_grad(token_stats_reference, logits.double(), ids, grads, **kwargs)
+    assert (stats.entropy is None) == (not with_entropy)
+    for name, out, ref in zip(truth._fields, stats, truth):
+        if ref is not None:
+            assert out.dtype == torch.float32
+            assert rel_err(out, ref) < FP32_TOL, name
+    assert rel_err(grad, truth_grad) < FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [7, 4099])
+def test_low_precision_no_worse_than_eager(dtype, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = random_logits(24, vocab, dtype, gen)
+    ids = make_ids(24, vocab, 9, gen)
+    kwargs = dict(temperature=0.7, with_entropy=True)
+    stats, grads, grad = run_with_grad(token_stats, logits, ids, **kwargs)
+    truth, _, truth_grad = run_with_grad(token_stats_reference, logits.double(), ids, grads, **kwargs)
+    eager, _, eager_grad = run_with_grad(
+        lambda x, i, **kw: eager_same_dtype(x, i, kw["temperature"], True), logits, ids, grads, **kwargs
+    )
+    assert grad.dtype == dtype
+    slack = 1e-6
+    for out, ref, base in zip(stats, truth, eager):
+        assert rel_err(out, ref) <= rel_err(base, ref) + slack
+    assert rel_err(grad, truth_grad) <= rel_err(eager_grad, truth_grad) * 1.05 + slack
+
+
+def test_rows_reads_only_selected_rows_and_zeroes_the_rest():
+    gen = torch.Generator().manual_seed(3)
+    vocab = 4099
+    logits = random_logits(20, vocab, torch.float32, gen)
+    rows = torch.tensor([17, 2, 3, 11, 0])
+    unselected = torch.ones(20, dtype=torch.bool)
+    unselected[rows] = False
+    poisoned = logits.clone()
+    poisoned[unselected] = float("nan")
+    ids = make_ids(rows.numel(), vocab, 9, gen)
+    kwargs = dict(temperature=0.7, with_entropy=True, rows=rows)
+    stats, grads, grad = run_with_grad(token_stats, poisoned, ids, **kwargs)
+    truth, _, truth_grad = run_with_grad(token_stats_reference, logits.double(), ids, grads, **kwargs)
+    for out, ref in zip(stats, truth):
+        assert out.shape[0] == rows.numel()
+        assert rel_err(out, ref) < FP32_TOL
+    assert torch.equal(grad[unselected], torch.zeros_like(grad[unselected]))
+    assert rel_err(grad, truth_grad) < FP32_TOL
+
+
+def test_empty_rows_give_empty_outputs_and_zero_gradient():
+    logits = random_logits(6, 50, torch.float32, torch.Generator().manual_seed(0))
+    stats, _, grad = run_with_grad(
+        token_stats, logits, torch.zeros(0, 3, dtype=torch.long), rows=torch.zeros(0, dtype=torch.long)
+    )
+    assert stats.logp.shape == (0, 3)
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_slime_layout_1_t_v_and_strided_rows():
+    """slime passes [1, T, V_padded]; any row stride is accepted (here a column slice)."""
+    gen = torch.Generator().manual_seed(5)
+    wide = random_logits(16, 1200, torch.float32, gen)
+    logits = wide[:, :1000].unsqueeze(0)
+    ids = make_ids(16, 1000, 3, gen)
+    stats, grads, grad = run_with_grad(token_stats, logits, ids, with_entropy=True)
+    truth, _, truth_grad = run_with_grad(
+        token_stats_reference, logits.double(), ids, grads, with_entropy=True
+    )
+    assert grad.shape == logits.shape
+    for out, ref in zip(stats, truth):
+        assert rel_err(out, ref) < FP32_TOL
+    assert rel_err(grad, truth_grad) < FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_backward_writes_the_same_gradient_into_logits(dtype):
+    gen = torch.Generator().manual_seed(9)
+    base = random_logits(12, 777, dtype, gen)
+    ids = make_ids(12, 777, 9, gen)
+    rows = torch.tensor([1, 4, 5, 9])
+    kwargs = dict(temperature=0.7, with_entropy=True, rows=rows)
+    _, grads, expected = run_with_grad(token_stats, base.clone(), ids[:4], **kwargs)
+
+    buffer = base.clone().requires_grad_(True)
+    stats = token_stats(buffer, ids[:4], inplace_backward=True, **kwargs)
+    (grad,) = torch.autograd.grad(loss_of(stats, grads), buffer)
+    assert grad.data_ptr() == buffer.data_ptr()
+    assert torch.equal(grad, expected)
+
+
+def test_centred_score_gradient_has_no_softmax_leakage():
+    """d(scores_0 - mean_k scores_k) is exactly (e_a - mean_k e_vk) / tau: no lse, no softmax."""
+    gen = torch.Generator().manual_seed(11)
+    vocab, num_draws, tau = 300, 4, 0.7
+    logits = random_logits(10, vocab, torch.float32, gen).requires_grad_(True)
+    ids = make_ids(10, vocab, 1 + num_draws, gen)
+    stats = token_stats(logits, ids, temperature=tau)
+    centred = stats.scores[:, 0] - stats.scores[:, 1:].mean(dim=1)
+    (grad,) = torch.autograd.grad(centred.sum(), logits)
+    expected = torch.zeros(10, vocab)
+    expected.scatter_add_(1, ids[:, :1], torch.ones(10, 1))
+    expected.scatter_add_(1, ids[:, 1:], torch.full((10, num_draws), -1.0 / num_draws))
+    assert torch.equal(grad, (expected.float() * (1.0 / tau)).float())
+
+
+def test_same_inputs_give_bitwise_identical_results():
+    gen = torch.Generator().manual_seed(13)
+    logits = random_logits(16, 4099, torch.float32, gen)
+    ids = make_ids(16, 4099, 9, gen)
+    first = run_with_grad(token_stats, logits, ids, with_entropy=True, temperature=0.7)
+    second = run_with_grad(token_stats, logits, ids, with_entropy=True, temperature=0.7)
+    for a, b in zip(first[0], second[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(first[2], second[2])
+
+
+def test_cpu_without_interpreter_takes_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = torch.Generator().manual_seed(17)
+    logits = random_logits(5, 30, torch.float32, gen)
+    ids = make_ids(5, 30, 2, gen)
+    fused = token_stats(logits, ids, with_entropy=True)
+    reference = token_stats_reference(logits, ids, with_entropy=True)
+    for a, b in zip(fused, reference):
+        assert torch.equal(a, b)
