@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs fusedrl and everything its tests need into the active Python environment, CPU only.
+#
+# torch comes first and pinned: SGLang 0.5.23 pins torch 2.14.1 (a CUDA build that runs on CPU)
+# and its config package needs the matching torchvision. Everything after it is installed so that
+# no dependency can pull another torch: SGLang and its CPU subset with --no-deps (its wheel
+# requires CUDA-only packages), the rest against the torch already present.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+python -m pip install -q torch==2.14.1 torchvision==0.29.1
+python -m pip install -q -e "$here/..[test,bench]"
+python -m pip install -q --no-deps sglang==0.5.23
+python -m pip install -q --no-deps -r "$here/sglang-cpu-requirements.txt"
+python -c "import torch; assert torch.__version__.startswith('2.14.1'), torch.__version__"
