@@ -1,10 +1,13 @@
-"""Fused Triton kernels for the per-token statistics of policy-gradient losses."""
+"""Fused Triton kernels for policy-gradient losses: per-token statistics and segmented sums."""
 
 from ._contract import TokenStats
-from .reference import token_logprobs_reference, token_stats_reference
+from .reference import segment_sum_reference, token_logprobs_reference, token_stats_reference
+from .segment_sum import segment_sum
 from .token_stats import token_logprobs, token_stats
 
 __all__ = [
+    "segment_sum",
+    "segment_sum_reference",
     "TokenStats",
     "token_stats",
     "token_logprobs",

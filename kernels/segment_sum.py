@@ -30,12 +30,27 @@ PARTIALS_PER_STEP = 16  # partial rows the final reduction adds per loop step
 
 
 @triton.jit
-def _token_weights(mask_ptr, segment_ptr, denom_ptr, rows, row_ok):
-    """m[i] / D_{s(i)} for a block of rows (0 outside the tensor), in the accumulation dtype."""
+def _block_weights(
+    mask_ptr,
+    segment_ptr,
+    denom_ptr,
+    num_rows,
+    num_channels,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+):
+    """This program's rows and channels (64-bit), their in-bounds flags, and the per-row weights
+    m[i] / D_{s(i)} (0 outside the tensor) in the accumulation dtype."""
+    row_block = tl.program_id(0).to(tl.int64)
+    channel_block = tl.program_id(1).to(tl.int64)
+    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+    channels = channel_block * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS).to(tl.int64)
+    row_ok = rows < num_rows
+    channel_ok = channels < num_channels
     mask = tl.load(mask_ptr + rows, mask=row_ok, other=0.0)
     segment = tl.load(segment_ptr + rows, mask=row_ok, other=0)
     denominator = tl.load(denom_ptr + segment, mask=row_ok, other=1.0)
-    return mask / denominator
+    return row_block, rows, channels, row_ok, channel_ok, mask / denominator
 
 
 @triton.jit
@@ -53,13 +68,9 @@ def _segment_sum_partials_kernel(
     BLOCK_CHANNELS: tl.constexpr,
 ):
     """One program per (row block, channel block): the block's weighted column sums."""
-    row_block = tl.program_id(0).to(tl.int64)
-    channel_block = tl.program_id(1).to(tl.int64)
-    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
-    channels = channel_block * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS).to(tl.int64)
-    row_ok = rows < num_rows
-    channel_ok = channels < num_channels
-    weight = _token_weights(mask_ptr, segment_ptr, denom_ptr, rows, row_ok)
+    row_block, rows, channels, row_ok, channel_ok, weight = _block_weights(
+        mask_ptr, segment_ptr, denom_ptr, num_rows, num_channels, BLOCK_ROWS, BLOCK_CHANNELS
+    )
     tile = row_ok[:, None] & channel_ok[None, :]
     offsets = rows[:, None] * stride_row + channels[None, :] * stride_channel
     values = tl.load(values_ptr + offsets, mask=tile, other=0.0).to(weight.dtype)
@@ -101,13 +112,9 @@ def _segment_sum_bwd_kernel(
     BLOCK_CHANNELS: tl.constexpr,
 ):
     """dx[i, c] = g[c] * m[i] / D_{s(i)}, each element written once (grad_values is contiguous)."""
-    row_block = tl.program_id(0).to(tl.int64)
-    channel_block = tl.program_id(1).to(tl.int64)
-    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
-    channels = channel_block * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS).to(tl.int64)
-    row_ok = rows < num_rows
-    channel_ok = channels < num_channels
-    weight = _token_weights(mask_ptr, segment_ptr, denom_ptr, rows, row_ok)
+    _, rows, channels, row_ok, channel_ok, weight = _block_weights(
+        mask_ptr, segment_ptr, denom_ptr, num_rows, num_channels, BLOCK_ROWS, BLOCK_CHANNELS
+    )
     grad_out = tl.load(grad_out_ptr + channels, mask=channel_ok, other=0.0).to(weight.dtype)
     grad = weight[:, None] * grad_out[None, :]
     tile = row_ok[:, None] & channel_ok[None, :]

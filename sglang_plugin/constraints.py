@@ -1,0 +1,52 @@
+"""Which requests the token-sample mode can serve faithfully, and the refusal messages.
+
+The K draws come from the untruncated, temperature-scaled distribution SGLang hands its logprob
+step. They match the distribution the sampled token came from only when nothing truncated that
+distribution: top_k unset (-1), top_p = 1, min_p = 0, and a temperature above zero (SGLang turns
+temperature 0 into top_k = 1, so greedy decoding shows up as top_k = 1 below).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+ENV_VAR = "AGENTCORE_SGLANG_TOKEN_SAMPLES"
+
+# SGLang's "whole vocabulary" top_k (sglang.srt.sampling.sampling_params.TOP_K_ALL, the value
+# that top_k = -1 is normalised to); kept here so clients need not import SGLang.
+TOP_K_ALL = 1 << 30
+
+_MODE = (
+    f"{ENV_VAR}=1 makes top_logprobs_num = K return the sampled token plus K draws from the "
+    "untruncated sampling distribution"
+)
+
+
+def truncation_problem(top_k: int, top_p: float, min_p: float) -> Optional[str]:
+    """None when (top_k, top_p, min_p), as normalised by SGLang, leave the distribution whole;
+    otherwise a sentence naming the offending parameter, its value and the value to use."""
+    if top_k == 1:
+        return (
+            "top_k=1 (greedy decoding: SGLang turns temperature=0 into top_k=1) samples no "
+            "distribution; use a temperature > 0 and top_k=-1"
+        )
+    if top_k != TOP_K_ALL:
+        return f"top_k={top_k} truncates the sampling distribution; use top_k=-1"
+    if top_p < 1.0:
+        return f"top_p={top_p:.7g} truncates the sampling distribution; use top_p=1.0"
+    if min_p > 0.0:
+        return f"min_p={min_p:.7g} truncates the sampling distribution; use min_p=0.0"
+    return None
+
+
+def request_refusal(problem: str, top_logprobs_num: int) -> str:
+    """The error returned to a client whose request cannot be served faithfully."""
+    return (
+        f"{_MODE}, so this request (top_logprobs_num={top_logprobs_num}) is refused: {problem} "
+        "(its draws would not come from the distribution its tokens are sampled from)."
+    )
+
+
+def server_refusal(reason: str) -> str:
+    """The error that stops a server whose configuration the mode cannot serve."""
+    return f"{_MODE}; refusing to start: {reason}. Unset {ENV_VAR} or change the setting."

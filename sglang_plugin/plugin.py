@@ -1,0 +1,122 @@
+"""SGLang plugin entry point (`sglang.srt.plugins` group): `register()`.
+
+SGLang's `load_plugins()` calls `register()` early in each of its processes and then applies the
+hooks registered here. With AGENTCORE_SGLANG_TOKEN_SAMPLES unset, `register()` registers nothing
+and SGLang runs untouched. With it set to 1, it picks the hook target for the installed SGLang,
+logs which one it patched (or why it could not), and registers the hooks of `hooks.py`.
+
+`load_plugins()` only logs exceptions raised here and carries on, so a configuration the mode
+cannot serve is refused through the `ServerArgs.check_server_args` hook, which SGLang runs at
+start-up and does not swallow.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from importlib import metadata
+from typing import Callable, NamedTuple, Optional
+
+from .constraints import ENV_VAR
+from .hooks import (
+    admission_hook,
+    attach_logprobs_hook,
+    compute_logprobs_hook,
+    original_logprob_problem,
+    refuse_server_config,
+    sampler_forward_hook,
+)
+
+logger = logging.getLogger(__name__)
+
+COMPUTE_LOGPROBS_TARGET = (
+    "sglang.srt.layers.logprob_processor.OutputLogprobProcessor.compute_logprobs"
+)
+ATTACH_LOGPROBS_TARGET = "sglang.srt.layers.sampler.Sampler._attach_logprobs_to_output"
+SAMPLER_FORWARD_TARGET = "sglang.srt.layers.sampler.Sampler.forward"
+ADMISSION_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
+SERVER_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.check_server_args"
+
+
+class DrawTarget(NamedTuple):
+    """Where the top-logprobs are produced in one range of SGLang versions."""
+
+    path: str
+    hook: Callable
+    versions: str
+
+
+def register() -> None:
+    """Enable the token-sample mode when AGENTCORE_SGLANG_TOKEN_SAMPLES=1; otherwise do nothing."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    value = os.environ.get(ENV_VAR, "")
+    if value != "1":
+        if value not in ("", "0"):
+            logger.warning(
+                "fusedrl token samples: %s=%r is not '1'; plugin stays off.", ENV_VAR, value
+            )
+        else:
+            logger.info("fusedrl token samples: %s is not 1; SGLang left untouched.", ENV_VAR)
+        return
+
+    version = _sglang_version()
+    target = find_draw_target()
+    problems = []
+    if target is None:
+        problems.append(
+            f"sglang {version} has neither {COMPUTE_LOGPROBS_TARGET} (>= 0.5.16) nor "
+            f"{ATTACH_LOGPROBS_TARGET} (0.5.12 - 0.5.15) to hook"
+        )
+    problem = original_logprob_problem()
+    if problem is not None:
+        problems.append(problem)
+
+    refusal = functools.partial(refuse_server_config, load_problems=tuple(problems))
+    HookRegistry.register(SERVER_ARGS_TARGET, refusal, HookType.AFTER)
+    if problems:
+        logger.error(
+            "fusedrl token samples NOT enabled (sglang %s): %s. SGLang's sampler is left "
+            "untouched and server start-up will be refused.",
+            version,
+            "; ".join(problems),
+        )
+        return
+
+    HookRegistry.register(ADMISSION_TARGET, admission_hook, HookType.AFTER)
+    HookRegistry.register(SAMPLER_FORWARD_TARGET, sampler_forward_hook, HookType.AROUND)
+    HookRegistry.register(target.path, target.hook, HookType.AROUND)
+    logger.info(
+        "fusedrl token samples enabled (sglang %s): patching %s (target for sglang %s); "
+        "top_logprobs_num=K now returns the sampled token plus K draws for every request; "
+        "truncated or greedy sampling with top logprobs is refused, and so is speculative "
+        "decoding at start-up.",
+        version,
+        target.path,
+        target.versions,
+    )
+
+
+def find_draw_target() -> Optional[DrawTarget]:
+    """The hook target that exists in the installed SGLang, newest first; None if neither."""
+    try:
+        from sglang.srt.layers.logprob_processor import OutputLogprobProcessor
+    except ImportError:
+        OutputLogprobProcessor = None
+    if hasattr(OutputLogprobProcessor, "compute_logprobs"):
+        return DrawTarget(COMPUTE_LOGPROBS_TARGET, compute_logprobs_hook, ">= 0.5.16")
+    try:
+        from sglang.srt.layers.sampler import Sampler
+    except ImportError:
+        return None
+    if hasattr(Sampler, "_attach_logprobs_to_output"):
+        return DrawTarget(ATTACH_LOGPROBS_TARGET, attach_logprobs_hook, "0.5.12 - 0.5.15")
+    return None
+
+
+def _sglang_version() -> str:
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return "unknown"

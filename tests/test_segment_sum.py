@@ -1,0 +1,233 @@
+"""Parity of the segmented masked-sum kernel with its float64 eager reference, and its contract.
+
+Shapes are chosen to break things: N not a multiple of the row block, more row blocks than the
+final reduction adds per step (two loop steps), C above the channel block (two channel blocks),
+strided values, empty and fully masked segments, segments in scattered order, N = 0.
+"""
+
+import math
+
+import pytest
+import torch
+from numerics import rel_err
+from sm90 import compile_for_hopper
+
+from fusedrl.kernels.reference import segment_sum_reference
+from fusedrl.kernels.segment_sum import segment_sum
+
+FP32_TOL = 1e-5
+
+
+def make_inputs(num_rows, num_channels, num_segments, seed, dtype=torch.float32, contiguous_segments=False):
+    """Random values, a partly masked integer mask, segment ids with an empty segment (the last)
+    and a fully masked one (segment 0), and denominators in (0.5, 40)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_rows,) if num_channels is None else (num_rows, num_channels)
+    values = (torch.randn(shape, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    mask = (torch.rand(num_rows, generator=gen) > 0.3).int()
+    used = max(num_segments - 1, 1)
+    segments = torch.randint(0, used, (num_rows,), generator=gen)
+    if contiguous_segments:
+        segments = segments.sort().values
+    mask[segments == 0] = 0
+    denominators = torch.rand(num_segments, generator=gen, dtype=torch.float64) * 40 + 0.5
+    return values, mask, segments, denominators
+
+
+def value_and_grad(fn, values, mask, segments, denominators, upstream_seed=3):
+    values = values.detach().requires_grad_(True)
+    out = fn(values, mask, segments, denominators)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(upstream_seed), dtype=torch.float64)
+    (grad,) = torch.autograd.grad((out.double() * upstream).sum(), values)
+    return out, grad
+
+
+SHAPES = [
+    # (N, C, S): C None means 1-D values
+    (300, None, 7),
+    (1, 1, 1),
+    (1029, 3, 11),  # 1024-row blocks for C = 3: two blocks, the second nearly empty
+    (4400, 16, 9),  # 256-row blocks: 18 partials, more than one reduction step
+    (333, 20, 5),  # two channel blocks, the second partial
+]
+
+
+@pytest.mark.parametrize("num_rows,num_channels,num_segments", SHAPES)
+def test_fp32_matches_float64_reference(num_rows, num_channels, num_segments):
+    inputs = make_inputs(num_rows, num_channels, num_segments, seed=num_rows)
+    out, grad = value_and_grad(segment_sum, *inputs)
+    truth_inputs = (inputs[0].double(),) + inputs[1:]
+    truth, truth_grad = value_and_grad(segment_sum_reference, *truth_inputs)
+    assert out.dtype == torch.float32 and out.shape == truth.shape
+    assert rel_err(out, truth) < FP32_TOL
+    assert grad.dtype == torch.float32
+    assert rel_err(grad, truth_grad) < FP32_TOL
+
+
+def test_float64_is_exact_to_float64_rounding():
+    inputs = make_inputs(1029, 3, 11, seed=5, dtype=torch.float64)
+    out, grad = value_and_grad(segment_sum, *inputs)
+    truth, truth_grad = value_and_grad(segment_sum_reference, *inputs)
+    assert out.dtype == torch.float64
+    assert rel_err(out, truth) < 1e-13
+    assert rel_err(grad, truth_grad) < 1e-13
+
+
+def eager_same_dtype(values, mask, segments, denominators):
+    """The eager per-sample formula carried out in the values' own dtype: the bar for low precision."""
+    matrix = values if values.dim() == 2 else values.unsqueeze(1)
+    masked = matrix * mask.to(values.dtype).unsqueeze(1)
+    per_segment = masked.new_zeros((denominators.numel(), matrix.shape[1])).index_add(0, segments, masked)
+    return (per_segment / denominators.to(values.dtype).unsqueeze(1)).sum(0).reshape(values.shape[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_no_worse_than_eager_in_that_dtype(dtype):
+    values, mask, segments, denominators = make_inputs(700, 4, 6, seed=11, dtype=dtype)
+    out, grad = value_and_grad(segment_sum, values, mask, segments, denominators)
+    truth, truth_grad = value_and_grad(segment_sum_reference, values.double(), mask, segments, denominators)
+    eager = eager_same_dtype(values, mask, segments, denominators)
+    assert out.dtype == torch.float32  # accumulated and returned in fp32
+    assert rel_err(out, truth) <= rel_err(eager, truth) + 1e-6
+    assert grad.dtype == dtype
+    # dx = g * m / D rounded once to the values' dtype
+    assert rel_err(grad, truth_grad) <= torch.finfo(dtype).eps
+
+
+def test_strided_values_read_in_place():
+    base, mask, segments, denominators = make_inputs(257, 6, 4, seed=2)
+    strided = base.t().contiguous().t()[:, ::2]  # column-major, every other column
+    out, grad = value_and_grad(segment_sum, strided, mask, segments, denominators)
+    truth, truth_grad = value_and_grad(segment_sum_reference, strided.double(), mask, segments, denominators)
+    assert rel_err(out, truth) < FP32_TOL and rel_err(grad, truth_grad) < FP32_TOL
+
+
+def test_empty_and_fully_masked_segments_contribute_nothing():
+    values, mask, segments, denominators = make_inputs(400, 2, 6, seed=9)
+    values[segments == 0] = 1e6  # fully masked segment: large values must vanish
+    out, grad = value_and_grad(segment_sum, values, mask, segments, denominators)
+    kept = segments != 0
+    truth = segment_sum_reference(values[kept], mask[kept], segments[kept], denominators)
+    assert rel_err(out, truth) < FP32_TOL
+    assert torch.all(grad[segments == 0] == 0)
+    assert (segments == denominators.numel() - 1).sum() == 0  # the last segment is empty
+
+
+def test_order_of_tokens_does_not_matter():
+    values, mask, segments, denominators = make_inputs(600, 3, 8, seed=4, dtype=torch.float64)
+    order = torch.randperm(600, generator=torch.Generator().manual_seed(1))
+    scattered = segment_sum(values[order], mask[order], segments[order], denominators)
+    grouped = segment_sum(values, mask, segments, denominators)
+    assert rel_err(scattered, grouped) < 1e-13
+
+
+def test_float_mask_weights_tokens():
+    values, _, segments, denominators = make_inputs(300, 2, 5, seed=6)
+    weights = torch.rand(300, generator=torch.Generator().manual_seed(0))
+    out = segment_sum(values, weights, segments, denominators)
+    assert rel_err(out, segment_sum_reference(values.double(), weights, segments, denominators)) < FP32_TOL
+
+
+def test_bool_mask_and_int32_segment_ids():
+    values, mask, segments, denominators = make_inputs(300, 2, 5, seed=8)
+    out = segment_sum(values, mask.bool(), segments.int(), denominators.float())
+    assert rel_err(out, segment_sum_reference(values.double(), mask, segments, denominators)) < FP32_TOL
+
+
+def test_no_tokens_gives_zeros_and_an_empty_gradient():
+    values = torch.zeros(0, 3, requires_grad=True)
+    out = segment_sum(values, torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.ones(2))
+    assert torch.equal(out, torch.zeros(3))
+    (grad,) = torch.autograd.grad(out.sum(), values)
+    assert grad.shape == (0, 3)
+
+
+def test_deterministic_bitwise():
+    inputs = make_inputs(4400, 16, 9, seed=12)
+    first = value_and_grad(segment_sum, *inputs)
+    second = value_and_grad(segment_sum, *inputs)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def test_cpu_without_interpreter_takes_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    inputs = make_inputs(50, 2, 3, seed=1)
+    assert torch.equal(segment_sum(*inputs), segment_sum_reference(*inputs))
+
+
+VALUES = torch.randn(5, 2)
+MASK = torch.tensor([1, 0, 1, 1, 1])
+SEGMENTS = torch.tensor([0, 0, 1, 2, 2])
+DENOMS = torch.tensor([2.0, 1.0, 3.0])
+
+
+def with_value(tensor, index, value):
+    out = tensor.clone()
+    out[index] = value
+    return out
+
+
+BAD_CALLS = [
+    (dict(values=[1.0, 2.0]), r"values must be a torch.Tensor, got list"),
+    (dict(values=VALUES[None]), r"values must have shape \[N\] or \[N, C\], got \(1, 5, 2\)"),
+    (dict(values=VALUES.int()), r"values dtype must be one of .*, got torch.int32"),
+    (dict(mask=MASK[:4]), r"mask must have N = 5 entries \(values' rows\), got 4"),
+    (dict(mask=MASK[None]), r"mask must be 1-D, got shape \(1, 5\)"),
+    (dict(mask=None), r"mask must be a torch.Tensor, got NoneType"),
+    (dict(mask=with_value(MASK.float(), 3, math.nan)), r"mask must be finite, got mask\[3\] = nan"),
+    (dict(mask=MASK.to(torch.complex64)), r"mask must be real"),
+    (dict(segment_ids=SEGMENTS.float()), r"segment_ids must be an integer tensor, got torch.float32"),
+    (dict(segment_ids=SEGMENTS[:3]), r"segment_ids must have N = 5 entries"),
+    (dict(segment_ids=with_value(SEGMENTS, 4, 3)), r"segment_ids must lie in \[0, 3\), got segment_ids\[4\] = 3"),
+    (dict(segment_ids=with_value(SEGMENTS, 1, -1)), r"segment_ids\[1\] = -1"),
+    (dict(denominators=DENOMS[None]), r"denominators must be 1-D"),
+    (dict(denominators=with_value(DENOMS, 1, 0.0)), r"denominators must be finite and > 0, got denominators\[1\] = 0.0"),
+    (dict(denominators=with_value(DENOMS, 2, -1.0)), r"denominators\[2\] = -1.0"),
+    (dict(denominators=with_value(DENOMS, 0, math.nan)), r"denominators\[0\] = nan"),
+    (dict(denominators=with_value(DENOMS, 0, math.inf)), r"denominators\[0\] = inf"),
+    (dict(denominators=DENOMS.bool()), r"denominators must be real numbers, got torch.bool"),
+    (dict(denominators=DENOMS.clone().requires_grad_()), r"denominators must not require grad"),
+    (dict(mask=MASK.float().requires_grad_()), r"mask must not require grad"),
+    (dict(segment_ids=SEGMENTS.to("meta")), r"segment_ids is on meta but values on cpu"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CALLS)
+def test_bad_input_raises_value_error_naming_it(overrides, message):
+    args = dict(values=VALUES, mask=MASK, segment_ids=SEGMENTS, denominators=DENOMS)
+    args.update(overrides)
+    with pytest.raises(ValueError, match=message):
+        segment_sum(**args)
+
+
+def test_validation_can_be_switched_off_for_values_not_shapes():
+    out = segment_sum(VALUES, with_value(MASK.float(), 0, math.nan), SEGMENTS, DENOMS, validate=False)
+    assert torch.isnan(out).all()
+    with pytest.raises(ValueError, match="mask must have N = 5 entries"):
+        segment_sum(VALUES, MASK[:4], SEGMENTS, DENOMS, validate=False)
+
+
+def test_kernels_compile_for_hopper():
+    """Every kernel, for each values dtype with its accumulation dtype, one and several channel blocks."""
+    module = "fusedrl.kernels.segment_sum"
+    jobs = []
+    for dtype, acc in [("fp32", "fp32"), ("bf16", "fp32"), ("fp16", "fp32"), ("fp64", "fp64")]:
+        weights = {"mask_ptr": f"*{acc}", "segment_ptr": "*i64", "denom_ptr": f"*{acc}"}
+        counts = {"num_rows": "i32", "num_channels": "i32"}
+        kernels = [
+            ("_segment_sum_partials_kernel",
+             {"values_ptr": f"*{dtype}", "stride_row": "i64", "stride_channel": "i64", **weights,
+              "partials_ptr": f"*{acc}", **counts}),
+            ("_sum_partials_kernel",
+             {"partials_ptr": f"*{acc}", "out_ptr": f"*{acc}", "num_blocks": "i32", "num_channels": "i32"}),
+            ("_segment_sum_bwd_kernel",
+             {"grad_out_ptr": f"*{acc}", **weights, "grad_values_ptr": f"*{dtype}", **counts}),
+        ]
+        for block_rows, block_channels in [(4096, 1), (256, 16)] if dtype == "fp32" else [(4096, 1)]:
+            for kernel, signature in kernels:
+                if kernel == "_sum_partials_kernel":
+                    constexprs = dict(BLOCK_PARTIALS=16, BLOCK_CHANNELS=block_channels)
+                else:
+                    constexprs = dict(BLOCK_ROWS=block_rows, BLOCK_CHANNELS=block_channels)
+                jobs.append(dict(module=module, kernel=kernel, signature=signature, constexprs=constexprs, num_warps=4))
+    compile_for_hopper(jobs)

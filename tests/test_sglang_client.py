@@ -1,0 +1,113 @@
+"""parse_token_samples: /generate meta_info -> draw tensors, and rejection of anything else."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fusedrl.sglang_plugin import TokenSamples, parse_token_samples
+
+
+def _meta_info(length: int, k: int, seed: int = 0) -> tuple:
+    """A response as the plugin-enabled server writes it, plus the tensors it encodes."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (length, 1 + k), generator=gen)
+    logprobs = -torch.rand(length, 1 + k, generator=gen, dtype=torch.float64) * 8
+    meta_info = {
+        "output_token_logprobs": [
+            [float(logprobs[t, 0]), int(ids[t, 0]), None] for t in range(length)
+        ],
+        "output_top_logprobs": [
+            [[float(logprobs[t, j]), int(ids[t, j]), f"tok{int(ids[t, j])}"] for j in range(1 + k)]
+            for t in range(length)
+        ],
+        "weight_version": "12",
+    }
+    return meta_info, ids, logprobs
+
+
+def test_round_trip():
+    meta_info, ids, logprobs = _meta_info(length=7, k=4)
+    samples = parse_token_samples(meta_info, num_samples=4)
+    assert isinstance(samples, TokenSamples)
+    assert samples.draw_ids.dtype == samples.sampled_ids.dtype == torch.long
+    assert samples.draw_ids.shape == samples.draw_logprobs.shape == (7, 4)
+    assert torch.equal(samples.sampled_ids, ids[:, 0])
+    assert torch.equal(samples.draw_ids, ids[:, 1:])
+    torch.testing.assert_close(samples.draw_logprobs, logprobs[:, 1:].float())
+    torch.testing.assert_close(samples.sampled_logprobs, logprobs[:, 0].float())
+    assert samples.weight_version == "12"
+
+
+def test_empty_response_and_missing_weight_version():
+    meta_info = {"output_token_logprobs": [], "output_top_logprobs": []}
+    samples = parse_token_samples(meta_info, num_samples=3)
+    assert samples.draw_ids.shape == (0, 3) and samples.sampled_ids.shape == (0,)
+    assert samples.weight_version is None
+
+
+def _broken(edit):
+    meta_info, _, _ = _meta_info(length=5, k=3, seed=1)
+    meta_info = copy.deepcopy(meta_info)
+    edit(meta_info)
+    return meta_info
+
+
+def _drop_last_draw(m):
+    m["output_top_logprobs"][2].pop()
+
+
+def _plain_top_k(m):  # a server without the plugin: K top tokens, no sampled token first
+    m["output_top_logprobs"][0] = m["output_top_logprobs"][0][1:]
+
+
+def _swap_first(m):
+    row = m["output_top_logprobs"][3]
+    row[0], row[1] = row[1], row[0]
+    row[0][1] = m["output_token_logprobs"][3][1] + 1
+
+
+def _set(path, value):
+    """An edit that sets meta_info[path[0]][path[1]]... = value."""
+
+    def edit(meta_info):
+        container = meta_info
+        for key in path[:-1]:
+            container = container[key]
+        container[path[-1]] = value
+
+    return edit
+
+
+TOP, TOKEN = "output_top_logprobs", "output_token_logprobs"
+COUNT = r"expected the sampled token plus 3 draws \(4 output_top_logprobs entries\), got"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_drop_last_draw, rf"position 2: {COUNT} 3"),
+        (_plain_top_k, rf"position 0: {COUNT} 3"),
+        (_swap_first, r"position 3: first output_top_logprobs entry is token \d+, not the sampled"),
+        (_set((TOP, 1), None), rf"position 1: {COUNT} None"),
+        (_set((TOP, 4, 2), [-1.0]), "position 4: malformed output_top_logprobs entry"),
+        (_set((TOP, 4, 2, 1), "7"), "position 4: malformed output_top_logprobs entry"),
+        (_set((TOP, 0, 1, 0), float("nan")), "position 0: malformed output_top_logprobs entry"),
+        (_set((TOKEN, 2, 1), -3), "position 2: malformed output_token_logprobs entry"),
+        (lambda m: m[TOP].pop(), "5 output_token_logprobs but 4 output_top_logprobs"),
+        (lambda m: m.pop(TOP), r"meta_info\['output_top_logprobs'\] must be a list"),
+        (_set((TOKEN,), None), r"meta_info\['output_token_logprobs'\] must be a list"),
+    ],
+)
+def test_malformed_responses_are_rejected_naming_the_position(edit, message):
+    with pytest.raises(ValueError, match=message):
+        parse_token_samples(_broken(edit), num_samples=3)
+
+
+@pytest.mark.parametrize("num_samples", [0, -2, True, 2.0, None])
+def test_bad_num_samples_rejected(num_samples):
+    meta_info, _, _ = _meta_info(length=2, k=2)
+    with pytest.raises(ValueError, match="num_samples must be a positive int"):
+        parse_token_samples(meta_info, num_samples=num_samples)
