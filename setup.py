@@ -29,6 +29,8 @@ setup(
             "pytest>=8",
             "pytest-timeout",
             "hypothesis",
+            "pytest-benchmark",
+            "matplotlib",
         ],
         "bench": ["matplotlib", "pytest-benchmark"],
     },

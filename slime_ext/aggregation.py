@@ -57,7 +57,6 @@ distinct prompt groups): one optimizer step when --num-steps-per-rollout is 1; w
 steps, the rollout's average group size stands in for each step's.
 """
 
-import importlib
 import math
 from typing import List, NamedTuple
 
@@ -66,6 +65,7 @@ import torch
 from ..kernels.segment_sum import segment_sum
 from . import carry
 from .context_parallel import chunked_loss_masks, cp_rank_and_size, sample_denominators
+from .hooks import load_function
 
 MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
 REDUCER_PATH = "fusedrl.slime_ext.aggregation.get_pg_loss_reducer"
@@ -192,7 +192,7 @@ def _install_rollout_wrapper(args) -> None:
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     """slime rollout function: the inner rollout function's output, with every training sample
     carrying its prompt_mean denominator (evaluation output and other modes pass through)."""
-    inner = _load_function(args.loss_aggregation_inner_rollout_function_path)
+    inner = load_function(args.loss_aggregation_inner_rollout_function_path)
     output = inner(args, rollout_id, data_source, evaluation=evaluation)
     if not evaluation and args.loss_aggregation == "prompt_mean":
         samples = _leaf_samples(getattr(output, "samples", output))
@@ -200,12 +200,6 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
         for sample, denominator in zip(samples, denominators, strict=True):
             carry.attach(sample, PROMPT_DENOMINATOR_KEY, torch.tensor([denominator], dtype=torch.float64))
     return output
-
-
-def _load_function(path: str):
-    """A function from a dotted path `package.module.function`, as slime loads its hooks."""
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
 
 
 def _leaf_samples(node) -> list:
@@ -276,7 +270,11 @@ class LocalTokens(NamedTuple):
                 f"values must have one row per CP-local response token ({self.mask.numel()}), "
                 f"got shape {tuple(values.shape)}"
             )
-        return segment_sum(values, self.mask, self.segment_ids, denominators.to(values.device))
+        # segment_ids are built here and the denominators are clamped at 1 or checked at startup:
+        # the kernel's value checks (host syncs over the mask) would only re-prove that.
+        return segment_sum(
+            values, self.mask, self.segment_ids, denominators.to(values.device), validate=False
+        )
 
 
 def _mode(args) -> str:

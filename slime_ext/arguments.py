@@ -8,7 +8,8 @@ and runs `validate_fusedrl_args` on the parsed namespace before training starts.
 from . import aggregation
 from .losses import sfc
 
-FEATURES = (aggregation, sfc)
+# sfc first: --sfc-loss-agg-mode decides --loss-aggregation before aggregation fills its default.
+FEATURES = (sfc, aggregation)
 
 
 def add_fusedrl_arguments(parser):

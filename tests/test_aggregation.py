@@ -16,6 +16,7 @@ from slime_harness import Scaling, make_samples, micro_batch, slice_per_token, s
 from slime_harness import sum_of_sample_mean as slime_sum_of_sample_mean
 
 from fusedrl.slime_ext import aggregation, carry
+from fusedrl.slime_ext.hooks import load_function
 
 TOTALS = [13, 9, 17, 11, 14, 20]
 RESPONSES = [9, 6, 11, 5, 10, 14]
@@ -264,7 +265,7 @@ def test_slime_reducer_hook_matches_the_fused_loss(megatron_args, mode):
     indices = [3, 1, 5]
     batch = get_batch(step, indices)
     pg = local_pg_loss(step, indices, step.pg_loss)
-    factory = aggregation._load_function(aggregation.REDUCER_PATH)
+    factory = load_function(aggregation.REDUCER_PATH)
     reducer = factory(batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], mode == "token_mean")
     expected = aggregation.aggregate_pg_loss(step.args, batch, pg)
     assert abs(float(reducer(pg) - expected)) <= EXACT * abs(float(expected))

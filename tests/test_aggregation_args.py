@@ -6,6 +6,7 @@ import math
 import pytest
 
 from fusedrl.slime_ext import aggregation
+from fusedrl.slime_ext.hooks import load_function
 
 
 def parse(*flags, loss_type="custom_loss", per_token=False, reducer=None, rollout="slime.rollout.sglang_rollout.generate_rollout"):
@@ -83,7 +84,7 @@ def test_prompt_mean_wraps_the_rollout_function_once():
     aggregation.validate_args(args)
     assert args.rollout_function_path == aggregation.ROLLOUT_FUNCTION_PATH
     assert args.loss_aggregation_inner_rollout_function_path == "my.rollout.fn"
-    assert aggregation._load_function(args.rollout_function_path) is aggregation.generate_rollout
+    assert load_function(args.rollout_function_path) is aggregation.generate_rollout
 
 
 def test_prompt_mean_wrapper_given_explicitly_needs_the_inner_function():
@@ -111,7 +112,7 @@ def test_constant_with_slimes_policy_loss_installs_the_reducer():
     args = parse("--loss-aggregation", "constant", "--loss-aggregation-divisor", "8", loss_type="policy_loss")
     aggregation.validate_args(args)
     assert args.custom_pg_loss_reducer_function_path == aggregation.REDUCER_PATH
-    assert aggregation._load_function(aggregation.REDUCER_PATH) is aggregation.get_pg_loss_reducer
+    assert load_function(aggregation.REDUCER_PATH) is aggregation.get_pg_loss_reducer
     other = parse("--loss-aggregation", "constant", "--loss-aggregation-divisor", "8", loss_type="policy_loss", reducer="x.y")
     with pytest.raises(ValueError, match="needs --custom-pg-loss-reducer-function-path .*, got x.y"):
         aggregation.validate_args(other)

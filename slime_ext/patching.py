@@ -1,0 +1,128 @@
+"""The init hook: `--custom-megatron-init-path fusedrl.slime_ext.install`.
+
+slime calls `install(args)` once per train actor, after distributed and model-parallel init. It
+replaces, in every loaded module that holds them (the defining module and every module that did
+`from ... import name`), slime's
+
+- `slime.backends.megatron_utils.loss.get_log_probs_and_entropy` and
+  `slime.utils.ppo_utils.calculate_log_probs_and_entropy` by the fused versions of
+  `fusedrl.slime_ext.logprobs` (same signatures and results), so slime's own policy, SFT, KL and
+  log-prob recompute paths run on the kernel with no other flag;
+- `slime.backends.megatron_utils.data.get_batch` by `carry.without_carried_inputs(get_batch)`,
+  which keeps the package's carried tensors out of the model's forward kwargs (a no-op for batches
+  that carry none).
+
+When the run was started through `fusedrl.slime_ext.train` and another init hook was given, the
+entry point moved it to `args.fusedrl_user_init_path`; `install` calls it after patching.
+
+Modules imported later pick up the replacement from the (already patched) defining module.
+Installing again is harmless and also patches modules loaded since; `uninstall()` puts every
+original back. References captured before install in other forms (a `functools.partial`, a
+default argument) are not reachable this way.
+"""
+
+import importlib
+import inspect
+import sys
+from typing import Callable, Dict, List, NamedTuple, Tuple
+
+from . import age
+from .hooks import load_function
+from .losses import sfc
+
+
+class Target(NamedTuple):
+    """A slime function and how to build its replacement from the original."""
+
+    module: str
+    name: str
+    replacement: Callable[[Callable], Callable]
+
+
+def _fused_get_log_probs(original):
+    from .logprobs import get_log_probs_and_entropy
+
+    return get_log_probs_and_entropy
+
+
+def _fused_calculate_log_probs(original):
+    from .logprobs import calculate_log_probs_and_entropy
+
+    return calculate_log_probs_and_entropy
+
+
+def _batch_without_carried_inputs(original):
+    from .carry import without_carried_inputs
+
+    return without_carried_inputs(original)
+
+
+TARGETS = (
+    Target("slime.backends.megatron_utils.loss", "get_log_probs_and_entropy", _fused_get_log_probs),
+    Target("slime.utils.ppo_utils", "calculate_log_probs_and_entropy", _fused_calculate_log_probs),
+    Target("slime.backends.megatron_utils.data", "get_batch", _batch_without_carried_inputs),
+)
+
+_REPLACEMENTS: Dict[Tuple[str, str], Tuple[Callable, Callable]] = {}  # (module, name) -> (original, new)
+_PATCHED: List[Tuple[object, str, Callable]] = []  # (module object, attribute, original)
+
+
+def check_signature(original: Callable, replacement: Callable, where: str) -> None:
+    """Every parameter the original accepts must be accepted by the replacement under the same name
+    and kind, otherwise slime's calls could bind differently (a slime version this package does not
+    know)."""
+    ours = inspect.signature(replacement).parameters
+    for name, param in inspect.signature(original).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if name not in ours or ours[name].kind != param.kind:
+            raise ValueError(
+                f"{where}: slime's signature {inspect.signature(original)} has parameter {name!r} that the "
+                f"replacement {inspect.signature(replacement)} does not take the same way"
+            )
+
+
+def _replacement_for(target: Target) -> Tuple[Callable, Callable]:
+    key = (target.module, target.name)
+    if key not in _REPLACEMENTS:
+        original = getattr(importlib.import_module(target.module), target.name)
+        new = target.replacement(original)
+        check_signature(original, new, f"{target.module}.{target.name}")
+        _REPLACEMENTS[key] = (original, new)
+    return _REPLACEMENTS[key]
+
+
+def _rebind_everywhere(original: Callable, new: Callable) -> None:
+    """Point every module attribute that is `original` at `new`, remembering each for uninstall."""
+    for module in list(sys.modules.values()):
+        try:
+            names = [name for name, value in vars(module).items() if value is original]
+        except TypeError:  # objects in sys.modules without a __dict__
+            continue
+        for name in names:
+            setattr(module, name, new)
+            _PATCHED.append((module, name, original))
+
+
+def install(args=None) -> None:
+    """slime's init hook: patch the targets in every loaded module (idempotent), then run the
+    user's own init hook when the entry point moved it to --fusedrl-user-init-path."""
+    for target in TARGETS:
+        _rebind_everywhere(*_replacement_for(target))
+    user_hook = getattr(args, "fusedrl_user_init_path", None)
+    if user_hook:
+        module, _, name = user_hook.rpartition(".")
+        getattr(importlib.import_module(module), name)(args)
+
+
+def uninstall() -> None:
+    """Restore every patched attribute to slime's original."""
+    while _PATCHED:
+        module, name, original = _PATCHED.pop()
+        setattr(module, name, original)
+    _REPLACEMENTS.clear()
+
+
+def installed() -> Dict[str, Callable]:
+    """`"module.name" -> replacement` for the targets installed so far."""
+    return {f"{module}.{name}": new for (module, name), (_, new) in _REPLACEMENTS.items()}

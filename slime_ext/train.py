@@ -1,0 +1,72 @@
+"""Entry point: `python -m fusedrl.slime_ext.train path/to/slime/train.py ARGS`.
+
+slime's entry scripts (`train.py`, `train_async.py`) parse their flags with
+`slime.utils.arguments.parse_args()`, which drops flags slime does not define, then call the
+script's `train(args)`. This entry point loads the script as a module (its `__main__` block does
+not run), parses ARGS with the package's flags added
+(`parse_args(add_custom_arguments=add_fusedrl_arguments)`), checks them (a ValueError naming the
+flag stops the run before any resource is allocated), and calls the script's `train(args)`.
+
+It also makes `fusedrl.slime_ext.install` the init hook (--custom-megatron-init-path): the
+package's carried data must be kept out of the model's forward and the log-prob path runs fused.
+An init hook given on the command line is kept and called by `install` after its own work.
+"""
+
+import importlib.util
+import os
+import sys
+
+INSTALL_PATH = "fusedrl.slime_ext.install"
+USAGE = "usage: python -m fusedrl.slime_ext.train path/to/slime/train.py [slime and fusedrl flags]"
+
+
+def load_script(path: str):
+    """slime's entry script as a module, without running its `__main__` block."""
+    if not path.endswith(".py") or not os.path.isfile(path):
+        raise ValueError(f"{USAGE}\n  the first argument must be slime's entry script, got {path!r}")
+    directory = os.path.dirname(os.path.abspath(path))
+    if directory not in sys.path:
+        sys.path.insert(0, directory)  # as `python path/to/train.py` would
+    spec = importlib.util.spec_from_file_location("fusedrl_slime_entry", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "train", None)):
+        raise ValueError(f"{path} defines no train(args) function to run")
+    return module
+
+
+def use_install_hook(args) -> None:
+    """Make the package's init hook slime's, keeping a user hook to be called from it."""
+    hook = getattr(args, "custom_megatron_init_path", None)
+    if hook not in (None, INSTALL_PATH):
+        args.fusedrl_user_init_path = hook
+    args.custom_megatron_init_path = INSTALL_PATH
+
+
+def validate(args) -> None:
+    """Every startup check of the package's flags against slime's parsed arguments."""
+    from .arguments import validate_fusedrl_args
+    from .losses.policy import validate_args as validate_policy_args
+
+    validate_fusedrl_args(args)
+    validate_policy_args(args)
+    use_install_hook(args)
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        raise SystemExit(USAGE)
+    script = load_script(argv[0])
+    from slime.utils.arguments import parse_args
+
+    from .arguments import add_fusedrl_arguments
+
+    sys.argv = [argv[0], *argv[1:]]
+    args = parse_args(add_custom_arguments=add_fusedrl_arguments)
+    validate(args)
+    script.train(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""`fusedrl.slime_ext.losses.policy_loss` driven through slime's loss wrapper (harness) against an
+eager float64 re-implementation of slime's policy loss written here from its documented formulas:
+loss, every metric and the logits gradient, at tp = 1, 2 and cp = 1, 2 (zigzag and allgather), for
+PPO clip, dual clip, CISPO and REINFORCE, with and without entropy and KL, under each
+--loss-aggregation mode.
+
+Prompt and padding rows of the logits are NaN (a huge finite value under allgather-CP, where
+slime's wrapper itself touches every row): only response rows are read.
+"""
+
+import pytest
+import torch
+
+from fusedrl.slime_ext.losses import policy_loss
+from numerics import rel_err
+from slime_harness import (
+    Scaling,
+    fill_non_response_rows,
+    gather_grad_reference,
+    get_pool,
+    make_logits,
+    make_samples,
+    micro_batch,
+    rank_logits,
+    rank_response_positions,
+    reference_response_stats,
+    slime_args,
+    slime_loss_function,
+    top_p_replay,
+)
+
+VOCAB = 40
+TOTALS = [10, 5, 14, 7, 9]
+RESPONSES = [6, 3, 9, 1, 5]
+PAD = 8
+SCALING = dict(num_microbatches=2, step_global_batch_size=8)
+PROMPT_DENOMINATORS = [9.0, 9.0, 4.0, 12.0, 3.0]
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def reference_kl(log_probs, ref, kind, ratio=None):
+    """Schulman's estimators of KL(pi || pi_ref) per token, as slime names them."""
+    log_ratio = log_probs - ref
+    if kind == "k1":
+        kl = log_ratio
+    elif kind == "k2":
+        kl = log_ratio**2 / 2
+    else:  # k3 and low_var_kl
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+    if ratio is not None:
+        kl = ratio * kl
+    return kl.clamp(-10, 10) if kind == "low_var_kl" else kl
+
+
+def reference_pg_term(args, batch, pg_loss, reducer, cp_rank, cp_size):
+    """pg_loss under --loss-aggregation: per-token weight m / D_s (math.md table)."""
+    mode = args.loss_aggregation
+    if mode in ("sample_mean", "token_mean"):
+        return reducer(pg_loss)
+    divisors = PROMPT_DENOMINATORS if mode == "prompt_mean" else [args.loss_aggregation_divisor] * len(TOTALS)
+    total, start = 0, 0
+    for mask, t, r, d in zip(batch["loss_masks"], TOTALS, RESPONSES, divisors):
+        pos = rank_response_positions(t, r, cp_rank, cp_size)
+        total = total + (pg_loss[start : start + len(pos)] * mask[pos]).sum() / d
+        start += len(pos)
+    return total
+
+
+def reference_policy_loss(args, batch, stats, reducer, cp_rank, cp_size):
+    """slime's policy loss on float64 log-probs / entropies of the rank's positions."""
+    lp_full, ent_full = stats
+    pos = [rank_response_positions(t, r, cp_rank, cp_size) for t, r in zip(TOTALS, RESPONSES)]
+    lp = torch.cat([x[p] for x, p in zip(lp_full, pos)])
+    ent = torch.cat([x[p] for x, p in zip(ent_full, pos)])
+    old = torch.cat(batch["rollout_log_probs"] if args.use_rollout_logprobs else batch["log_probs"]).double()
+    adv = torch.cat(batch["advantages"]).double()
+    ratio = torch.exp(lp - old)
+    clipped_ratio = ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high)
+    if getattr(args, "pg_loss_type", None) == "reinforce":
+        pg = -adv * lp
+        clipfrac = torch.zeros_like(lp)
+    elif args.advantage_estimator == "cispo":
+        pg = -clipped_ratio.detach() * adv * lp
+        clipfrac = (clipped_ratio != ratio).double()
+    else:
+        pg = torch.maximum(-ratio * adv, -clipped_ratio * adv)
+        clipfrac = (-clipped_ratio * adv > -ratio * adv).double()
+        if args.eps_clip_c is not None:
+            pg = torch.where(adv < 0, torch.minimum(-args.eps_clip_c * adv, pg), pg)
+    pg_loss = reference_pg_term(args, batch, pg, reducer, cp_rank, cp_size)
+    entropy = reducer(ent if args.entropy_coef != 0 else ent.detach())
+    loss = pg_loss - args.entropy_coef * entropy
+    metrics = {"pg_loss": pg_loss, "entropy_loss": entropy, "pg_clipfrac": reducer(clipfrac), "ppo_kl": reducer(old - lp)}
+    if args.use_kl_loss:
+        unbiased = torch.exp(lp - old) if args.use_unbiased_kl else None
+        metrics["kl_loss"] = reducer(reference_kl(lp, torch.cat(batch["ref_log_probs"]).double(), args.kl_loss_type, unbiased))
+        loss = loss + args.kl_loss_coef * metrics["kl_loss"]
+    compared = lp if args.use_rollout_logprobs else old
+    metrics["train_rollout_logprob_abs_diff"] = reducer((compared - torch.cat(batch["rollout_log_probs"]).double()).abs())
+    return loss, {"loss": loss, **metrics}
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _batch(samples, args, info_cp_rank, cp_size, replay):
+    batch = micro_batch(samples, info_cp_rank, cp_size)
+    if replay is not None:
+        batch["rollout_top_p_token_ids"], batch["rollout_top_p_token_offsets"] = replay
+    if args.loss_aggregation == "prompt_mean":
+        batch["multimodal_train_inputs"] = {"fusedrl_prompt_denominator": torch.tensor(PROMPT_DENOMINATORS)}
+    return batch
+
+
+def _rank_policy_loss(info, samples, full_logits, args, replay):
+    batch = _batch(samples, args, info.cp_rank, info.cp_size, replay)
+    # slime's wrapper adds 0 * logits.sum() under allgather-CP, which reads every row: there the
+    # unread rows hold a huge finite value instead of NaN.
+    fill = 1e4 if args.allgather_cp else float("nan")
+    logits = rank_logits(
+        [fill_non_response_rows(x, r, fill) for x, r in zip(full_logits, RESPONSES)],
+        info,
+        allgather_cp=args.allgather_cp,
+        pad_multiple=PAD,
+        fill=fill,
+    )
+    scaling = Scaling(dp_cp_size=info.cp_size * info.dp_size, cp_size=info.cp_size, **SCALING)
+    loss, metrics = slime_loss_function(args, batch, logits, policy_loss, info.cp_rank, scaling)
+    loss.backward()
+    return info, loss, metrics, logits.grad[0]
+
+
+CASES = {
+    "ppo": (1, 1, {}),
+    "ppo_entropy_kl_k3": (2, 1, dict(entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3")),
+    "dual_clip_entropy_kl": (1, 2, dict(eps_clip_c=3.0, entropy_coef=0.02, use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="low_var_kl")),
+    "cispo_entropy": (2, 2, dict(advantage_estimator="cispo", entropy_coef=0.01)),
+    "cispo_unbiased_kl_k2": (1, 1, dict(advantage_estimator="cispo", use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k2", use_unbiased_kl=True)),
+    "dual_clip": (2, 2, dict(eps_clip_c=2.5)),
+    "ppo_rollout_logprobs_kl_metric_only": (1, 2, dict(use_rollout_logprobs=True, use_kl_loss=True, kl_loss_coef=0.0)),
+    "ppo_top_p_temperature_allgather": (2, 2, dict(rollout_temperature=0.7, rollout_top_p=0.9, allgather_cp=True, entropy_coef=0.01)),
+    "ppo_constant": (2, 1, dict(loss_aggregation="constant", loss_aggregation_divisor=7.0)),
+    "ppo_token_mean": (1, 2, dict(loss_aggregation="token_mean", calculate_per_token_loss=True, entropy_coef=0.01)),
+    "cispo_prompt_mean": (1, 2, dict(advantage_estimator="cispo", loss_aggregation="prompt_mean")),
+    "reinforce_entropy": (2, 1, dict(pg_loss_type="reinforce", entropy_coef=0.01)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_policy_loss_matches_slime_reference(case):
+    tp, cp, overrides = CASES[case]
+    args = slime_args(**overrides)
+    samples = make_samples(21, TOTALS, RESPONSES, VOCAB)
+    full_logits = make_logits(21, TOTALS, VOCAB)
+    replay = top_p_replay(22, RESPONSES, VOCAB) if args.rollout_top_p < 1 else None
+
+    ref_logits = [x.clone().requires_grad_() for x in full_logits]
+    stats = reference_response_stats(ref_logits, [s.tokens for s in samples], TOTALS, RESPONSES, args.rollout_temperature, replay)
+    scaling = Scaling(dp_cp_size=cp, cp_size=cp, **SCALING)
+    expected = []
+    for cp_rank in range(cp):
+        batch = _batch(samples, args, cp_rank, cp, replay)
+        fn = lambda a, b, logits, reducer: reference_policy_loss(a, b, stats, reducer, cp_rank, cp)  # noqa: E731
+        expected.append(slime_loss_function(args, batch, torch.zeros(()), fn, cp_rank, scaling))
+    ref_grads = torch.autograd.grad(sum(loss for loss, _ in expected), ref_logits)
+
+    for info, loss, metrics, grad in get_pool(tp, cp).run(_rank_policy_loss, samples, full_logits, args, replay):
+        exp_loss, exp_metrics = expected[info.cp_rank]
+        assert loss.dtype == torch.float32 and loss.dim() == 0
+        assert rel_err(loss, exp_loss.detach()) < 1e-5
+        assert set(metrics) == set(exp_metrics)
+        for key, value in metrics.items():
+            assert value.dim() == 0 and not value.requires_grad
+            assert rel_err(value, exp_metrics[key].detach()) < 1e-5, key
+        assert bool(torch.isfinite(grad).all())
+        assert rel_err(grad, gather_grad_reference(ref_grads, info, allgather_cp=args.allgather_cp, pad_multiple=PAD)) < 1e-5
+
+
+def test_policy_loss_needs_top_p_replay_data_when_top_p_below_one():
+    samples = make_samples(3, TOTALS, RESPONSES, VOCAB)
+    batch = micro_batch(samples, 0, 1)
+    logits = torch.cat(make_logits(3, TOTALS, VOCAB)).float().unsqueeze(0)
+    with pytest.raises(ValueError, match="rollout_top_p_token_ids"):
+        policy_loss(slime_args(rollout_top_p=0.9), batch, logits, lambda x: x.sum())
+
+
+def test_policy_loss_with_no_response_token_on_this_rank_keeps_the_graph():
+    samples = make_samples(4, [3], [1], VOCAB)
+    batch = micro_batch(samples, 0, 1)
+    batch["loss_masks"] = [torch.zeros(1, dtype=torch.int)]
+    batch["response_lengths"], batch["total_lengths"] = [0], [3]
+    for key in ("advantages", "log_probs", "ref_log_probs", "rollout_log_probs"):
+        batch[key] = [batch[key][0][:0]]
+    batch["loss_masks"] = [batch["loss_masks"][0][:0]]
+    logits = torch.randn(1, 4, VOCAB, requires_grad=True)
+    loss, metrics = policy_loss(slime_args(), batch, logits, lambda x: x.sum() * 0)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+    assert float(metrics["pg_loss"]) == 0.0
+
+
+def test_policy_loss_is_bitwise_deterministic():
+    args = slime_args(entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, rollout_top_p=0.9, rollout_temperature=0.8)
+    samples = make_samples(9, TOTALS, RESPONSES, VOCAB)
+    batch = micro_batch(samples, 0, 1)
+    batch["rollout_top_p_token_ids"], batch["rollout_top_p_token_offsets"] = top_p_replay(9, RESPONSES, VOCAB)
+    full = torch.cat(make_logits(9, TOTALS, VOCAB)).float().unsqueeze(0)
+    runs = []
+    for _ in range(2):
+        logits = full.clone().requires_grad_()
+        loss, metrics = policy_loss(args, batch, logits, lambda x: x.sum())
+        loss.backward()
+        runs.append((loss.detach(), metrics, logits.grad))
+    (loss_a, metrics_a, grad_a), (loss_b, metrics_b, grad_b) = runs
+    assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b)
+    assert all(torch.equal(metrics_a[key], metrics_b[key]) for key in metrics_a)
+
+
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (dict(pg_loss_type="reinforce", advantage_estimator="cispo"), "--pg-loss-type reinforce"),
+        (dict(use_kl_loss=True, kl_loss_type="k9"), "--kl-loss-type"),
+        (dict(use_opsm=True), "--use-opsm"),
+        (dict(get_mismatch_metrics=True), "--get-mismatch-metrics"),
+        (dict(use_score_centering=True), "--use-score-centering"),
+    ],
+)
+def test_policy_validation_names_the_flag(overrides, named):
+    from fusedrl.slime_ext.losses.policy import validate_args
+
+    with pytest.raises(ValueError, match=named):
+        validate_args(slime_args(**overrides))
+
+
+def test_policy_validation_ignores_other_losses():
+    from fusedrl.slime_ext.losses.policy import validate_args
+
+    validate_args(slime_args(loss_type="policy_loss", use_tis=True))

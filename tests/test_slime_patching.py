@@ -1,0 +1,229 @@
+"""The init hook (`fusedrl.slime_ext.install`) and the wrapper entry point (`slime_ext.train`)
+against stand-in slime modules registered in sys.modules (slime itself is not importable here):
+every module that imported the targets is patched, installing twice is harmless, uninstall
+restores the originals; bad configurations stop at startup with a message naming the flag."""
+
+import argparse
+import sys
+import types
+
+import pytest
+import torch
+
+import fusedrl.slime_ext as slime_ext
+from fusedrl.slime_ext import logprobs, patching
+from fusedrl.slime_ext import train as entry
+
+
+def _get_log_probs_and_entropy(
+    logits, *, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False, non_loss_data=True,
+    top_p_token_ids=None, top_p_token_offsets=None,
+):
+    raise AssertionError("slime's eager path must not run once installed")
+
+
+def _calculate_log_probs_and_entropy(
+    logits, tokens, tp_group, with_entropy=False, chunk_size=-1, log_prob_keep_mask=None, with_entropy_grad=True
+):
+    raise AssertionError("slime's eager path must not run once installed")
+
+
+def _get_batch(data_iterator, keys, pad_multiplier=128, qkv_format="thd", allgather_cp=False):
+    return {"multimodal_train_inputs": {"fusedrl_draws": torch.ones(2), "pixel_values": torch.zeros(1)}}
+
+
+def _module(name, **attrs):
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    return module
+
+
+@pytest.fixture
+def fake_slime(monkeypatch):
+    """slime's three defining modules plus a consumer that did `from ... import` of each."""
+    originals = dict(
+        get_log_probs_and_entropy=_get_log_probs_and_entropy,
+        calculate_log_probs_and_entropy=_calculate_log_probs_and_entropy,
+        get_batch=_get_batch,
+    )
+    modules = {
+        "slime.backends.megatron_utils.loss": _module(
+            "loss", get_log_probs_and_entropy=_get_log_probs_and_entropy,
+            calculate_log_probs_and_entropy=_calculate_log_probs_and_entropy,
+        ),
+        "slime.utils.ppo_utils": _module("ppo_utils", calculate_log_probs_and_entropy=_calculate_log_probs_and_entropy),
+        "slime.backends.megatron_utils.data": _module("data", get_batch=_get_batch),
+        "slime.backends.megatron_utils.model": _module("model", **originals),
+    }
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    yield modules, originals
+    patching.uninstall()
+
+
+def test_install_patches_every_module_that_imported_the_targets(fake_slime):
+    modules, originals = fake_slime
+    slime_ext.install(argparse.Namespace())
+    for module in modules.values():
+        for name, original in originals.items():
+            if name not in vars(module):
+                continue
+            patched = getattr(module, name)
+            assert patched is not original
+            if name == "get_batch":
+                assert patched.__wrapped__ is original
+            else:
+                assert patched is getattr(logprobs, name)
+
+
+def test_installed_get_batch_keeps_carried_tensors_out_of_the_forward(fake_slime):
+    modules, _ = fake_slime
+    slime_ext.install()
+    batch = modules["slime.backends.megatron_utils.model"].get_batch(None, ["tokens"])
+    assert set(batch["multimodal_train_inputs"]) == {"pixel_values"}
+    assert set(batch["fusedrl_carried"]) == {"fusedrl_draws"}
+
+
+def test_install_twice_is_harmless_and_reaches_modules_loaded_since(fake_slime, monkeypatch):
+    modules, originals = fake_slime
+    slime_ext.install()
+    first = {name: getattr(modules["slime.backends.megatron_utils.model"], name) for name in originals}
+    late = _module("late_consumer", **originals)  # captured the originals before install
+    monkeypatch.setitem(sys.modules, "late_consumer", late)
+    slime_ext.install()
+    for name in originals:
+        assert getattr(modules["slime.backends.megatron_utils.model"], name) is first[name]
+        assert getattr(late, name) is first[name]
+    assert set(patching.installed()) == {f"{t.module}.{t.name}" for t in patching.TARGETS}
+
+
+def test_uninstall_restores_every_original(fake_slime, monkeypatch):
+    modules, originals = fake_slime
+    slime_ext.install()
+    slime_ext.install()
+    slime_ext.uninstall()
+    for module in modules.values():
+        for name, original in originals.items():
+            if name in vars(module):
+                assert getattr(module, name) is original
+    assert patching.installed() == {}
+
+
+def test_install_calls_the_user_init_hook_after_patching(fake_slime, monkeypatch):
+    modules, _ = fake_slime
+    seen = []
+    monkeypatch.setitem(sys.modules, "user_hooks", _module("user_hooks", init=lambda args: seen.append(
+        modules["slime.backends.megatron_utils.loss"].get_log_probs_and_entropy)))
+    args = argparse.Namespace(fusedrl_user_init_path="user_hooks.init")
+    slime_ext.install(args)
+    assert seen == [logprobs.get_log_probs_and_entropy]
+
+
+def test_install_refuses_a_slime_signature_it_does_not_know(fake_slime, monkeypatch):
+    def newer(logits, *, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False, new_option=1):
+        raise AssertionError
+
+    monkeypatch.setattr(sys.modules["slime.backends.megatron_utils.loss"], "get_log_probs_and_entropy", newer)
+    with pytest.raises(ValueError, match="new_option"):
+        slime_ext.install()
+
+
+def test_package_import_stays_light():
+    assert slime_ext.__getattr__("install") is patching.install
+    with pytest.raises(AttributeError, match="nothing"):
+        slime_ext.__getattr__("nothing")
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _slime_parse_args(add_custom_arguments=None):
+    """Stand-in for slime.utils.arguments.parse_args with the slime flags the validators read."""
+    parser = argparse.ArgumentParser(prog="slime")
+    for flag, default in (
+        ("--loss-type", "policy_loss"), ("--custom-loss-function-path", None), ("--custom-megatron-init-path", None),
+        ("--advantage-estimator", "grpo"), ("--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout"),
+        ("--custom-pg-loss-reducer-function-path", None), ("--kl-loss-type", "k1"),
+    ):
+        parser.add_argument(flag, default=default)
+    for flag, default in (("--eps-clip-c", None), ("--rollout-top-p", 1.0), ("--entropy-coef", 0.0), ("--rollout-temperature", 1.0)):
+        parser.add_argument(flag, type=float, default=default)
+    parser.add_argument("--rollout-top-k", type=int, default=-1)
+    for flag in ("--calculate-per-token-loss", "--use-kl-loss", "--use-tis"):
+        parser.add_argument(flag, action="store_true")
+    if add_custom_arguments is not None:
+        parser = add_custom_arguments(parser)
+    return parser.parse_args(sys.argv[1:])
+
+
+@pytest.fixture
+def slime_entry(tmp_path, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "CALLS = []\n\n\ndef train(args):\n    CALLS.append(args)\n\n\n"
+        "if __name__ == '__main__':\n    raise SystemExit('the __main__ block must not run')\n"
+    )
+    monkeypatch.setitem(sys.modules, "slime", _module("slime"))
+    monkeypatch.setitem(sys.modules, "slime.utils", _module("slime.utils"))
+    monkeypatch.setitem(sys.modules, "slime.utils.arguments", _module("arguments", parse_args=_slime_parse_args))
+    monkeypatch.setattr(sys, "argv", ["entry"])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def run(*flags):
+        module = {}
+        original_load = entry.load_script
+
+        def load(path):
+            module["script"] = original_load(path)
+            return module["script"]
+
+        monkeypatch.setattr(entry, "load_script", load)
+        entry.main([str(script), *flags])
+        return module["script"].CALLS
+
+    return run
+
+
+FUSED_LOSS = ("--loss-type", "custom_loss", "--custom-loss-function-path", "fusedrl.slime_ext.losses.policy_loss")
+
+
+def test_entry_point_parses_package_flags_and_runs_slime_train(slime_entry):
+    (args,) = slime_entry(*FUSED_LOSS, "--loss-aggregation", "constant", "--loss-aggregation-divisor", "4096")
+    assert args.loss_aggregation == "constant" and args.loss_aggregation_divisor == 4096.0
+    assert args.custom_megatron_init_path == entry.INSTALL_PATH
+
+
+def test_entry_point_keeps_a_user_init_hook(slime_entry):
+    (args,) = slime_entry("--custom-megatron-init-path", "my.hooks.init")
+    assert args.custom_megatron_init_path == entry.INSTALL_PATH
+    assert args.fusedrl_user_init_path == "my.hooks.init"
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (("--loss-aggregation", "constant"), "--loss-aggregation-divisor"),
+        (("--loss-aggregation", "constant", "--loss-aggregation-divisor", "0"), "--loss-aggregation-divisor"),
+        (FUSED_LOSS + ("--use-tis",), "--use-tis"),
+        (FUSED_LOSS + ("--advantage-estimator", "gspo"), "--advantage-estimator gspo"),
+        (FUSED_LOSS + ("--eps-clip-c", "0.5"), "--eps-clip-c"),
+        (FUSED_LOSS + ("--custom-pg-loss-reducer-function-path", "my.reducer"), "--custom-pg-loss-reducer-function-path"),
+    ],
+)
+def test_bad_configuration_stops_at_startup_naming_the_flag(slime_entry, flags, named):
+    with pytest.raises(ValueError, match=named):
+        slime_entry(*flags)
+
+
+def test_unknown_aggregation_mode_is_rejected_by_the_parser(slime_entry, capsys):
+    with pytest.raises(SystemExit):
+        slime_entry("--loss-aggregation", "median")
+    assert "--loss-aggregation" in capsys.readouterr().err
+
+
+def test_entry_point_needs_slime_entry_script(tmp_path):
+    with pytest.raises(ValueError, match="entry script"):
+        entry.main([str(tmp_path / "missing.py")])
+    (tmp_path / "lib.py").write_text("X = 1\n")
+    with pytest.raises(ValueError, match="train"):
+        entry.main([str(tmp_path / "lib.py")])
