@@ -105,14 +105,16 @@ def _rebind_everywhere(original: Callable, new: Callable) -> None:
 
 
 def install(args=None) -> None:
-    """slime's init hook: patch the targets in every loaded module (idempotent), then run the
-    user's own init hook when the entry point moved it to --fusedrl-user-init-path."""
+    """slime's init hook: patch the targets in every loaded module (idempotent), start the
+    weight-version age bookkeeping when the SFC loss is configured, then run the user's own init
+    hook when the entry point moved it to --fusedrl-user-init-path."""
     for target in TARGETS:
         _rebind_everywhere(*_replacement_for(target))
+    if args is not None and sfc.uses_sfc(args):
+        age.install(args)
     user_hook = getattr(args, "fusedrl_user_init_path", None)
     if user_hook:
-        module, _, name = user_hook.rpartition(".")
-        getattr(importlib.import_module(module), name)(args)
+        load_function(user_hook)(args)
 
 
 def uninstall() -> None:

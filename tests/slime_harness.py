@@ -28,6 +28,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from numerics import rel_err
 
 # ----------------------------------------------------------------------------- layouts
 
@@ -451,3 +452,57 @@ def rank_logits(
     """The rank's `[1, T, V/tp]` leaf logits as slime's model returns them (padding rows = fill)."""
     packed = pack_rows(full_logits, info.cp_rank, info.cp_size, allgather_cp=allgather_cp, pad_multiple=pad_multiple, fill=fill)
     return vocab_shard(packed, info.tp_rank, info.tp_size).to(dtype).unsqueeze(0).requires_grad_()
+
+
+# The uneven packed micro-batch the loss tests share: five samples of different prompt and
+# response lengths (one response of a single token), rows padded to a multiple of PAD.
+VOCAB = 40
+TOTALS = [10, 5, 14, 7, 9]
+RESPONSES = [6, 3, 9, 1, 5]
+PAD = 8
+SCALING = dict(num_microbatches=2, step_global_batch_size=8)
+
+
+def rank_loss_and_grad(info: RankInfo, full_logits, args, batch, loss_fn):
+    """(info, loss, metrics, logits gradient) of slime's loss wrapper around `loss_fn` on this
+    rank, with every prompt and padding row of the logits poisoned so that reading one shows."""
+    # slime's wrapper adds 0 * logits.sum() under allgather-CP, which reads every row: there the
+    # unread rows hold a huge finite value instead of NaN.
+    fill = 1e4 if args.allgather_cp else float("nan")
+    logits = rank_logits(
+        [fill_non_response_rows(x, r, fill) for x, r in zip(full_logits, RESPONSES)],
+        info,
+        allgather_cp=args.allgather_cp,
+        pad_multiple=PAD,
+        fill=fill,
+    )
+    scaling = Scaling(dp_cp_size=info.cp_size * info.dp_size, cp_size=info.cp_size, **SCALING)
+    loss, metrics = slime_loss_function(args, batch, logits, loss_fn, info.cp_rank, scaling)
+    loss.backward()
+    return info, loss, metrics, logits.grad[0]
+
+
+def reference_losses(args, cp_size: int, batch_for_rank, reference_for_rank):
+    """Per cp rank, slime's wrapper around the float64 reference loss `reference_for_rank(cp_rank)`
+    (a custom-loss function) on `batch_for_rank(cp_rank)`: [(loss, metrics)]."""
+    scaling = Scaling(dp_cp_size=cp_size, cp_size=cp_size, **SCALING)
+    return [
+        slime_loss_function(args, batch_for_rank(rank), torch.zeros(()), reference_for_rank(rank), rank, scaling)
+        for rank in range(cp_size)
+    ]
+
+
+def assert_ranks_match_reference(results, expected, ref_grads, args) -> None:
+    """Every rank's loss, metrics (same names, 0-d, detached) and logits gradient match the
+    reference to 1e-5 relative; the gradient is finite (no poisoned row was read)."""
+    for info, loss, metrics, grad in results:
+        exp_loss, exp_metrics = expected[info.cp_rank]
+        assert loss.dtype == torch.float32 and loss.dim() == 0
+        assert rel_err(loss, exp_loss.detach()) < 1e-5
+        assert set(metrics) == set(exp_metrics)
+        for key, value in metrics.items():
+            assert value.dim() == 0 and not value.requires_grad
+            assert rel_err(value, exp_metrics[key].detach()) < 1e-5, key
+        assert bool(torch.isfinite(grad).all())
+        reference = gather_grad_reference(ref_grads, info, allgather_cp=args.allgather_cp, pad_multiple=PAD)
+        assert rel_err(grad, reference) < 1e-5

@@ -12,28 +12,23 @@ import pytest
 import torch
 
 from fusedrl.slime_ext.losses import policy_loss
-from numerics import rel_err
 from slime_harness import (
-    Scaling,
-    fill_non_response_rows,
-    gather_grad_reference,
+    RESPONSES,
+    TOTALS,
+    VOCAB,
+    assert_ranks_match_reference,
     get_pool,
     make_logits,
     make_samples,
     micro_batch,
-    rank_logits,
+    rank_loss_and_grad,
     rank_response_positions,
+    reference_losses,
     reference_response_stats,
     slime_args,
-    slime_loss_function,
     top_p_replay,
 )
 
-VOCAB = 40
-TOTALS = [10, 5, 14, 7, 9]
-RESPONSES = [6, 3, 9, 1, 5]
-PAD = 8
-SCALING = dict(num_microbatches=2, step_global_batch_size=8)
 PROMPT_DENOMINATORS = [9.0, 9.0, 4.0, 12.0, 3.0]
 
 
@@ -116,20 +111,7 @@ def _batch(samples, args, info_cp_rank, cp_size, replay):
 
 def _rank_policy_loss(info, samples, full_logits, args, replay):
     batch = _batch(samples, args, info.cp_rank, info.cp_size, replay)
-    # slime's wrapper adds 0 * logits.sum() under allgather-CP, which reads every row: there the
-    # unread rows hold a huge finite value instead of NaN.
-    fill = 1e4 if args.allgather_cp else float("nan")
-    logits = rank_logits(
-        [fill_non_response_rows(x, r, fill) for x, r in zip(full_logits, RESPONSES)],
-        info,
-        allgather_cp=args.allgather_cp,
-        pad_multiple=PAD,
-        fill=fill,
-    )
-    scaling = Scaling(dp_cp_size=info.cp_size * info.dp_size, cp_size=info.cp_size, **SCALING)
-    loss, metrics = slime_loss_function(args, batch, logits, policy_loss, info.cp_rank, scaling)
-    loss.backward()
-    return info, loss, metrics, logits.grad[0]
+    return rank_loss_and_grad(info, full_logits, args, batch, policy_loss)
 
 
 CASES = {
@@ -158,24 +140,15 @@ def test_policy_loss_matches_slime_reference(case):
 
     ref_logits = [x.clone().requires_grad_() for x in full_logits]
     stats = reference_response_stats(ref_logits, [s.tokens for s in samples], TOTALS, RESPONSES, args.rollout_temperature, replay)
-    scaling = Scaling(dp_cp_size=cp, cp_size=cp, **SCALING)
-    expected = []
-    for cp_rank in range(cp):
-        batch = _batch(samples, args, cp_rank, cp, replay)
-        fn = lambda a, b, logits, reducer: reference_policy_loss(a, b, stats, reducer, cp_rank, cp)  # noqa: E731
-        expected.append(slime_loss_function(args, batch, torch.zeros(()), fn, cp_rank, scaling))
+    expected = reference_losses(
+        args,
+        cp,
+        lambda cp_rank: _batch(samples, args, cp_rank, cp, replay),
+        lambda cp_rank: lambda a, b, logits, reducer: reference_policy_loss(a, b, stats, reducer, cp_rank, cp),
+    )
     ref_grads = torch.autograd.grad(sum(loss for loss, _ in expected), ref_logits)
-
-    for info, loss, metrics, grad in get_pool(tp, cp).run(_rank_policy_loss, samples, full_logits, args, replay):
-        exp_loss, exp_metrics = expected[info.cp_rank]
-        assert loss.dtype == torch.float32 and loss.dim() == 0
-        assert rel_err(loss, exp_loss.detach()) < 1e-5
-        assert set(metrics) == set(exp_metrics)
-        for key, value in metrics.items():
-            assert value.dim() == 0 and not value.requires_grad
-            assert rel_err(value, exp_metrics[key].detach()) < 1e-5, key
-        assert bool(torch.isfinite(grad).all())
-        assert rel_err(grad, gather_grad_reference(ref_grads, info, allgather_cp=args.allgather_cp, pad_multiple=PAD)) < 1e-5
+    results = get_pool(tp, cp).run(_rank_policy_loss, samples, full_logits, args, replay)
+    assert_ranks_match_reference(results, expected, ref_grads, args)
 
 
 def test_policy_loss_needs_top_p_replay_data_when_top_p_below_one():

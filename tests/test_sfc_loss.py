@@ -21,24 +21,21 @@ from fusedrl.slime_ext.losses.sfc import (
 )
 from numerics import rel_err
 from slime_harness import (
-    Scaling,
-    fill_non_response_rows,
-    gather_grad_reference,
+    RESPONSES,
+    TOTALS,
+    VOCAB,
+    assert_ranks_match_reference,
     get_pool,
     make_logits,
     make_samples,
     micro_batch,
     rank_logits,
+    rank_loss_and_grad,
     rank_response_positions,
+    reference_losses,
     slime_args,
-    slime_loss_function,
 )
 
-VOCAB = 40
-TOTALS = [10, 5, 14, 7, 9]
-RESPONSES = [6, 3, 9, 1, 5]
-PAD = 8
-SCALING = dict(num_microbatches=2, step_global_batch_size=8)
 PUSHES = {1: 0, 2: 2, 3: 3}  # weight version -> optimizer steps completed at its push
 STEPS_STARTED = 4  # step 3 in flight: versions 1, 2, 3 have ages 3, 1, 0
 BETA = 0.7
@@ -130,18 +127,7 @@ def _rank_sfc_loss(info, samples, draws, versions, full_logits, args):
 
     CLOCK.push_steps, CLOCK.steps_started = dict(PUSHES), STEPS_STARTED
     batch = carried_batch(samples, draws, versions, info.cp_rank, info.cp_size)
-    fill = 1e4 if args.allgather_cp else float("nan")
-    logits = rank_logits(
-        [fill_non_response_rows(x, r, fill) for x, r in zip(full_logits, RESPONSES)],
-        info,
-        allgather_cp=args.allgather_cp,
-        pad_multiple=PAD,
-        fill=fill,
-    )
-    scaling = Scaling(dp_cp_size=info.cp_size * info.dp_size, cp_size=info.cp_size, **SCALING)
-    loss, metrics = slime_loss_function(args, batch, logits, sfc_loss, info.cp_rank, scaling)
-    loss.backward()
-    return info, loss, metrics, logits.grad[0]
+    return rank_loss_and_grad(info, full_logits, args, batch, sfc_loss)
 
 
 CASES = {
@@ -162,24 +148,15 @@ def test_sfc_loss_matches_reference(case):
     full_logits = make_logits(31, TOTALS, VOCAB)
 
     ref_logits = [x.clone().requires_grad_() for x in full_logits]
-    scaling = Scaling(dp_cp_size=cp, cp_size=cp, **SCALING)
-    expected = []
-    for cp_rank in range(cp):
-        batch = carried_batch(samples, draws, versions, cp_rank, cp)
-        fn = lambda a, b, logits, reducer: reference_sfc(a, b, ref_logits, samples, draws, versions, reducer, cp_rank, cp)  # noqa: E731
-        expected.append(slime_loss_function(args, batch, torch.zeros(()), fn, cp_rank, scaling))
+    expected = reference_losses(
+        args,
+        cp,
+        lambda cp_rank: carried_batch(samples, draws, versions, cp_rank, cp),
+        lambda cp_rank: lambda a, b, logits, reducer: reference_sfc(a, b, ref_logits, samples, draws, versions, reducer, cp_rank, cp),
+    )
     ref_grads = torch.autograd.grad(sum(loss for loss, _ in expected), ref_logits)
-
-    for info, loss, metrics, grad in get_pool(tp, cp).run(_rank_sfc_loss, samples, draws, versions, full_logits, args):
-        exp_loss, exp_metrics = expected[info.cp_rank]
-        assert loss.dtype == torch.float32 and loss.dim() == 0
-        assert rel_err(loss, exp_loss.detach()) < 1e-5
-        assert set(metrics) == set(exp_metrics)
-        for key, value in metrics.items():
-            assert value.dim() == 0 and not value.requires_grad
-            assert rel_err(value, exp_metrics[key].detach()) < 1e-5, key
-        assert bool(torch.isfinite(grad).all())
-        assert rel_err(grad, gather_grad_reference(ref_grads, info, allgather_cp=args.allgather_cp, pad_multiple=PAD)) < 1e-5
+    results = get_pool(tp, cp).run(_rank_sfc_loss, samples, draws, versions, full_logits, args)
+    assert_ranks_match_reference(results, expected, ref_grads, args)
 
 
 # ----------------------------------------------------------------------------- math

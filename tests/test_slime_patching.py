@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusedrl.slime_ext as slime_ext
-from fusedrl.slime_ext import logprobs, patching
+from fusedrl.slime_ext import age, logprobs, patching
 from fusedrl.slime_ext import train as entry
 
 
@@ -117,6 +117,19 @@ def test_install_calls_the_user_init_hook_after_patching(fake_slime, monkeypatch
     args = argparse.Namespace(fusedrl_user_init_path="user_hooks.init")
     slime_ext.install(args)
     assert seen == [logprobs.get_log_probs_and_entropy]
+
+
+@pytest.mark.parametrize("loss_path,counts_ages", [
+    ("fusedrl.slime_ext.losses.sfc_loss", True),
+    ("fusedrl.slime_ext.losses.policy_loss", False),
+])
+def test_install_starts_age_bookkeeping_only_for_the_sfc_loss(fake_slime, loss_path, counts_ages):
+    args = argparse.Namespace(
+        loss_type="custom_loss", custom_loss_function_path=loss_path, custom_megatron_before_train_step_hook_path=None
+    )
+    slime_ext.install(args)
+    expected = age.HOOK_PATH if counts_ages else None
+    assert args.custom_megatron_before_train_step_hook_path == expected
 
 
 def test_install_refuses_a_slime_signature_it_does_not_know(fake_slime, monkeypatch):
