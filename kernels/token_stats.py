@@ -83,7 +83,7 @@ def _token_stats_fwd_kernel(
     tl.store(out, running_max)
     tl.store(out + 1, exp_sum)
     tl.store(out + 2, centred_sum)
-    for j in tl.static_range(J):
+    for j in range(J):
         local_id = tl.load(ids_ptr + pid * J + j) - vocab_start
         owned = (local_id >= 0) & (local_id < vocab_local)
         gathered = tl.load(row_ptr + local_id, mask=owned, other=0.0).to(tl.float32)
@@ -142,10 +142,13 @@ def _token_stats_bwd_kernel(
             grad = -logp_grad_sum * p
             if WITH_ENTROPY:
                 grad -= entropy_grad * p * (z - mean_z)
-        for j in tl.static_range(J):
+        # Each id lands in one block: a scalar range test per (block, slot) keeps the one-hot
+        # work at O(J * BLOCK_V) per row rather than O(J * V), so large top-p supports stay cheap.
+        for j in range(J):
             local_id = tl.load(ids_ptr + safe_slot * J + j, mask=selected, other=-1) - vocab_start
-            coef = tl.load(scatter_coef_ptr + safe_slot * J + j, mask=selected, other=0.0)
-            grad += tl.where(cols == local_id, coef, 0.0)
+            if (local_id >= start) & (local_id < start + BLOCK_V):
+                coef = tl.load(scatter_coef_ptr + safe_slot * J + j)
+                grad += tl.where(cols == local_id, coef, 0.0)
         grad = grad * inv_temperature
         tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
 

@@ -69,6 +69,7 @@ CASES = [
     (4099, 9, 1.0, True),
     (4099, 1, 0.7, False),
     (9001, 9, 0.7, True),
+    (9001, 33, 1.0, False),  # a top-p replay support: many ids spread over several blocks
 ]
 
 
