@@ -32,7 +32,7 @@ setup(
             "pytest-benchmark",
             "matplotlib",
         ],
-        "bench": ["matplotlib", "pytest-benchmark"],
+        "bench": ["triton>=3.1", "matplotlib", "pytest-benchmark"],
     },
     entry_points={
         "sglang.srt.plugins": [
