@@ -17,6 +17,9 @@ dict is None) into `batch["multimodal_train_inputs"]`, and the training and log-
   loaded module holding it (data.py, and model.py that imported it).
 - The readers look in `batch[CARRIED_KEY]` and, when the wrapper has not run (a caller that
   builds the batch itself), in `batch["multimodal_train_inputs"]`.
+
+The keys the package carries are defined here, where both sides (rollout writers, train readers)
+find them without importing each other.
 """
 
 import functools
@@ -24,10 +27,18 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .context_parallel import cp_rank_and_size, slice_response
+from . import megatron
+from .context_parallel import slice_response
 
 PREFIX = "fusedrl_"
 CARRIED_KEY = "fusedrl_carried"
+
+# Per sample, attached by rollout/prompt_groups.py under --loss-aggregation prompt_mean:
+PROMPT_DENOMINATOR_KEY = "fusedrl_prompt_denominator"  # [1] float64: the sample's prompt-group D_s
+# Per response token, attached by rollout/sfc_draws.py for the SFC loss:
+SFC_DRAWS_KEY = "fusedrl_sfc_draws"  # [resp_len, K] int64: the sampler's K draws at each position
+SFC_VERSIONS_KEY = "fusedrl_sfc_versions"  # [resp_len] int64: weight version that sampled the token
+SFC_DRAW_WEIGHTS_KEY = "fusedrl_sfc_draw_weights"  # optional [resp_len, K] float: centering weights
 _FILTER_MARK = "_fusedrl_without_carried_inputs"
 
 
@@ -89,7 +100,7 @@ def per_token(batch: dict, key: str, cp_rank: Optional[int] = None, cp_size: Opt
             f"got shape {tuple(tensor.shape)}"
         )
     if cp_rank is None or cp_size is None:
-        cp_rank, cp_size = cp_rank_and_size()
+        cp_rank, cp_size = megatron.cp_rank_and_size()
     return [
         slice_response(part, total, response, cp_rank, cp_size)
         for part, total, response in zip(

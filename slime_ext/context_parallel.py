@@ -15,12 +15,12 @@ length) is predicted by rows [P-1, total-1); response position j is row P-1+j. P
 tensors in slime's batch (advantages, old log-probs, ...) hold, per sample, the response positions
 of the rank's zigzag chunks in chunk order; `loss_masks` hold the full response.
 
-Every function takes the cp rank and size explicitly (`cp_rank_and_size()` reads megatron-core's)
-so the layouts can be checked without any process group.
+Every function takes the cp rank and size explicitly (`megatron.cp_rank_and_size()` reads
+megatron-core's) so the layouts can be checked without any process group; `responses.ResponseTokens`
+binds them to a micro-batch.
 """
 
-import sys
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,14 +49,6 @@ class SampleRows(NamedTuple):
 
     rows: torch.Tensor
     positions: torch.Tensor
-
-
-def cp_rank_and_size() -> Tuple[int, int]:
-    """This process's context-parallel rank and size from megatron-core ((0, 1) when not initialised)."""
-    parallel_state = sys.modules.get("megatron.core.parallel_state")
-    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
-        return 0, 1
-    return parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
 
 
 def check_lengths(total_length: int, response_length: int) -> None:
@@ -121,17 +113,6 @@ def slice_response(x, total_length: int, response_length: int, cp_rank: int, cp_
     if isinstance(x, list):
         return [value for part in parts for value in part]
     return torch.cat(parts, dim=0) if parts else x[:0]
-
-
-def local_response_lengths(
-    total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int, cp_size: int
-) -> List[int]:
-    """Per sample, how many response positions the rank holds (the split sizes of its CP-local
-    per-token tensors)."""
-    return [
-        sum(end - start for start, end in response_ranges(total, response, cp_rank, cp_size))
-        for total, response in zip(total_lengths, response_lengths, strict=True)
-    ]
 
 
 def local_response_rows(
@@ -247,33 +228,3 @@ def sample_denominators(loss_masks: Sequence[torch.Tensor], rollout_mask_sums=No
             )
         totals = [torch.as_tensor(total, device=mask.device) for total, mask in zip(rollout_mask_sums, loss_masks)]
     return [torch.clamp_min(total, 1) for total in totals]
-
-
-def get_sum_of_sample_mean(
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    loss_masks: Sequence[torch.Tensor],
-    rollout_mask_sums=None,
-    calculate_per_token_loss: bool = False,
-    *,
-    cp_rank: Optional[int] = None,
-    cp_size: Optional[int] = None,
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """slime's reducer over a CP-local per-token tensor x (samples concatenated).
-
-    Sample mode: sum over samples of (sum of x * mask over the rank's positions) / denominator;
-    per-token mode: the plain masked sum. Summed over cp ranks this is the cp = 1 value.
-    """
-    if cp_rank is None or cp_size is None:
-        cp_rank, cp_size = cp_rank_and_size()
-    masks = chunked_loss_masks(total_lengths, response_lengths, loss_masks, cp_rank, cp_size)
-    lengths = [len(mask) for mask in masks]
-    denominators = None if calculate_per_token_loss else sample_denominators(loss_masks, rollout_mask_sums)
-
-    def reduce(x: torch.Tensor) -> torch.Tensor:
-        parts = x.split(lengths, dim=0)
-        if denominators is None:
-            return sum((part * mask).sum() for part, mask in zip(parts, masks))
-        return sum((part * mask).sum() / total for part, mask, total in zip(parts, masks, denominators))
-
-    return reduce

@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import token_stats
-from .context_parallel import SampleRows, allgather_to_zigzag, cp_rank_and_size, local_response_rows
+from . import megatron
+from .context_parallel import SampleRows
+from .responses import ResponseTokens
 
 
 class ReplaySupport(NamedTuple):
@@ -110,7 +112,7 @@ def mask_support(targets: torch.Tensor, keep_mask: torch.Tensor, tp_group) -> Re
     gathered once so all ranks hold the same global ids. Rows kept whole are not recorded."""
     if keep_mask.shape[0] != targets.numel():
         raise ValueError(f"log_prob_keep_mask must have {targets.numel()} rows, got shape {tuple(keep_mask.shape)}")
-    rank, size = (dist.get_rank(tp_group), dist.get_world_size(tp_group)) if tp_group is not None else (0, 1)
+    rank, size = megatron.rank_and_size(tp_group)
     vocab_local = keep_mask.shape[1]
     masked_rows = ~keep_mask.all(dim=1)
     if size > 1:
@@ -144,41 +146,15 @@ def renormalised_logp(logp: torch.Tensor, scores: torch.Tensor, support: ReplayS
     return torch.where(support.recorded, restricted, logp[:, 0])
 
 
-def fused_token_logprobs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    temperature: float,
-    with_entropy: bool,
-    with_entropy_grad: bool,
-    tp_group=None,
-    rows: Optional[torch.Tensor] = None,
-    support: Optional[ReplaySupport] = None,
-):
-    """(log-prob [N], entropy [N] or None) of the targets on the selected rows, one kernel pass.
-
-    The entropy is detached when `with_entropy_grad` is false (a metric that no loss term uses).
-    """
-    ids = targets.unsqueeze(1) if support is None else support.ids
-    stats = token_stats(logits, ids, temperature=temperature, with_entropy=with_entropy, tp_group=tp_group, rows=rows)
+def logprobs_and_entropy(stats, *, with_entropy_grad: bool, support: Optional[ReplaySupport] = None):
+    """(log-prob [N], entropy [N] or None) of slot 0 from the kernel's `stats`, renormalised over
+    the replay `support` when given. The entropy is detached when `with_entropy_grad` is false (a
+    metric that no loss term uses)."""
     logp = stats.logp[:, 0] if support is None else renormalised_logp(stats.logp, stats.scores, support)
     entropy = stats.entropy
     if entropy is not None and not with_entropy_grad:
         entropy = entropy.detach()
     return logp, entropy
-
-
-def response_targets(
-    unconcat_tokens: Sequence[torch.Tensor],
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    samples: Sequence[SampleRows],
-) -> torch.Tensor:
-    """The sampled token each selected row predicts: token (prompt_length + position) of its sample."""
-    parts = []
-    for tokens, total, response, sample in zip(unconcat_tokens, total_lengths, response_lengths, samples, strict=True):
-        parts.append(tokens[total - response + sample.positions.to(tokens.device)])
-    return torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.long)
 
 
 def response_log_probs(
@@ -196,41 +172,17 @@ def response_log_probs(
     """Per-sample response log-probs (and entropies) in slime's CP layout: lists of 1-D tensors,
     zigzag-sliced under context parallelism (allgather-CP results are redistributed to zigzag).
     """
-    if logits.dim() != 3 or logits.shape[0] != 1:
-        raise ValueError(f"logits must have shape [1, T, V/tp], got {tuple(logits.shape)}")
-    if getattr(args, "qkv_format", "thd") != "thd":
-        raise ValueError(f"--qkv-format {args.qkv_format} is not supported: the fused path reads slime's packed thd layout")
-    device, num_rows = logits.device, logits.shape[1]
-    cp_rank, cp_size = cp_rank_and_size()
-    allgather = bool(getattr(args, "allgather_cp", False)) and cp_size > 1
-    samples = local_response_rows(
-        total_lengths, response_lengths, cp_rank, cp_size, allgather_cp=allgather, local_length=num_rows, device=device
-    )
-    rows = torch.cat([s.rows for s in samples]) if samples else torch.zeros(0, dtype=torch.long, device=device)
-    targets = response_targets(unconcat_tokens, total_lengths, response_lengths, samples).to(device)
+    tokens = ResponseTokens.locate(logits, total_lengths, response_lengths, args)
+    targets = tokens.targets(unconcat_tokens)
     support = None
     if top_p_token_ids is not None and top_p_token_offsets is not None:
-        support = replay_support(targets, samples, top_p_token_ids, top_p_token_offsets)
-    logp, entropy = fused_token_logprobs(
-        logits,
-        targets,
-        temperature=float(getattr(args, "rollout_temperature", 1.0)),
-        with_entropy=with_entropy,
-        with_entropy_grad=with_entropy_grad,
-        rows=rows,
-        support=support,
+        support = replay_support(targets, tokens.samples, top_p_token_ids, top_p_token_offsets)
+    ids = targets.unsqueeze(1) if support is None else support.ids
+    stats = tokens.token_stats(
+        logits, ids, temperature=float(getattr(args, "rollout_temperature", 1.0)), with_entropy=with_entropy
     )
-    sizes = [s.rows.numel() for s in samples]
-    log_probs = list(logp.split(sizes))
-    entropies = list(entropy.split(sizes)) if entropy is not None else None
-    if allgather:
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_context_parallel_group()
-        log_probs = allgather_to_zigzag(log_probs, samples, total_lengths, response_lengths, cp_rank, cp_size, group)
-        if entropies is not None:
-            entropies = allgather_to_zigzag(entropies, samples, total_lengths, response_lengths, cp_rank, cp_size, group)
-    return log_probs, entropies
+    logp, entropy = logprobs_and_entropy(stats, with_entropy_grad=with_entropy_grad, support=support)
+    return tokens.per_sample(logp), (tokens.per_sample(entropy) if entropy is not None else None)
 
 
 def get_log_probs_and_entropy(
@@ -290,13 +242,7 @@ def calculate_log_probs_and_entropy(
     if logits.shape[0] == 0:
         empty = logits.new_zeros((0,))
         return empty.unsqueeze(1), (empty if with_entropy else None)
-    logp, entropy = fused_token_logprobs(
-        logits,
-        tokens,
-        temperature=1.0,
-        with_entropy=with_entropy,
-        with_entropy_grad=with_entropy_grad,
-        tp_group=tp_group,
-        support=support,
-    )
+    ids = tokens.unsqueeze(1) if support is None else support.ids
+    stats = token_stats(logits, ids, temperature=1.0, with_entropy=with_entropy, tp_group=tp_group)
+    logp, entropy = logprobs_and_entropy(stats, with_entropy_grad=with_entropy_grad, support=support)
     return logp.unsqueeze(1), entropy

@@ -27,8 +27,8 @@ import sys
 from typing import Callable, Dict, List, NamedTuple, Tuple
 
 from . import age
+from .flags.sfc import uses_sfc
 from .hooks import load_function
-from .losses import sfc
 
 
 class Target(NamedTuple):
@@ -110,7 +110,7 @@ def install(args=None) -> None:
     hook when the entry point moved it to --fusedrl-user-init-path."""
     for target in TARGETS:
         _rebind_everywhere(*_replacement_for(target))
-    if args is not None and sfc.uses_sfc(args):
+    if args is not None and uses_sfc(args):
         age.install(args)
     user_hook = getattr(args, "fusedrl_user_init_path", None)
     if user_hook:

@@ -1,50 +1,177 @@
-"""Run a function on every rank of a CPU gloo process group (tensor/context parallel tests).
+"""The tests' one distributed-worker harness: CPU gloo process groups of spawned workers.
 
-Each rank is a spawned process; `fn(rank, world_size, *args)` runs after
-`torch.distributed` is initialised and its return value comes back to the caller, in rank order.
+`DistributedPool(tp, cp, dp)`: tp * cp * dp workers with `torch.distributed` initialised and, by
+default, megatron-core's parallel_state for those sizes (order tp-cp-dp, as slime's train actors
+have it); `pool.run(fn, *args)` returns `[fn(RankInfo, *args)]` in rank order, and a failing rank
+raises in the caller with its traceback. `get_pool` keeps one pool per configuration for the whole
+session (workers start once and are reused by every test). `run_on_ranks(world_size, fn, *args)`
+runs `fn(rank, world_size, *args)` once on fresh workers without Megatron, for tests that set up
+their own groups.
+
+Workers are spawned, not forked: a fork after the test process has run torch's OpenMP thread
+pool can deadlock the child's first parallel op. Results cross processes detached (autograd
+graphs do not), pickled in the worker so that one that cannot cross fails its task, not the queue.
 """
 
+import atexit
+import multiprocessing
 import os
-import socket
+import pickle
+import tempfile
 import traceback
+import warnings
+from typing import NamedTuple
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+import torch
 
 
-def _rank_main(rank, world_size, port, fn, args, results):
-    os.environ["TRITON_INTERPRET"] = "1"
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+class RankInfo(NamedTuple):
+    """Where a worker sits in the megatron-core layout (order tp-cp-dp)."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    cp_rank: int
+    cp_size: int
+    dp_rank: int
+    dp_size: int
+
+
+def _detached(value):
+    """The value with every tensor detached (autograd graphs do not cross processes)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, tuple):
+        return type(value)(*(_detached(v) for v in value))
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _parallel_state():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
+    return parallel_state
+
+
+def _rank_info(rank, world_size, tp, cp, megatron) -> RankInfo:
+    if not megatron:
+        return RankInfo(rank, world_size, 0, 1, 0, 1, rank, world_size)
+    parallel_state = _parallel_state()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False
     )
-    try:
-        results.put((rank, fn(rank, world_size, *args), None))
-    except Exception:  # reported to the parent, which raises it
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
+    return RankInfo(
+        rank,
+        world_size,
+        parallel_state.get_tensor_model_parallel_rank(),
+        tp,
+        parallel_state.get_context_parallel_rank(),
+        cp,
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def _worker(rank, world_size, init_file, tp, cp, megatron, tasks, results):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    info = _rank_info(rank, world_size, tp, cp, megatron)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, pickle.dumps(_detached(fn(info, *args))), None))
+        except BaseException:  # reported to the parent, which raises it
+            results.put((rank, None, traceback.format_exc()))
+    if megatron:
+        _parallel_state().destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+class DistributedPool:
+    """World of tp * cp * dp spawned CPU workers on one gloo group (megatron-core parallel_state
+    initialised unless `megatron=False`)."""
+
+    def __init__(self, tp: int = 1, cp: int = 1, dp: int = 1, *, megatron: bool = True, timeout: float = 600.0):
+        self.world_size = tp * cp * dp
+        self.timeout = timeout
+        ctx = multiprocessing.get_context("spawn")
+        self._init_file = tempfile.mktemp(prefix="fusedrl_gloo_")
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, self._init_file, tp, cp, megatron, self._tasks[rank], self._results),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, fn, *args) -> list:
+        """[fn(RankInfo, *args)] on every rank, in rank order; a failing rank raises here."""
+        for queue in self._tasks:
+            queue.put((fn, args))
+        by_rank, errors = {}, []
+        for _ in range(self.world_size):
+            rank, value, error = self._results.get(timeout=self.timeout)
+            if error is not None:
+                errors.append(f"rank {rank} failed:\n{error}")
+            by_rank[rank] = None if value is None else pickle.loads(value)
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return [by_rank[rank] for rank in range(self.world_size)]
+
+    def close(self) -> None:
+        for queue in self._tasks:
+            queue.put(None)
+        for proc in self._procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        if os.path.exists(self._init_file):
+            os.remove(self._init_file)
+
+
+_POOLS = {}
+
+
+def get_pool(tp: int = 1, cp: int = 1, dp: int = 1) -> DistributedPool:
+    """The session's Megatron pool for this configuration, started on first use and closed at exit."""
+    key = (tp, cp, dp)
+    if key not in _POOLS:
+        _POOLS[key] = DistributedPool(tp, cp, dp)
+    return _POOLS[key]
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def _with_rank(info: RankInfo, fn, *args):
+    return fn(info.rank, info.world_size, *args)
 
 
 def run_on_ranks(world_size: int, fn, *args):
-    """[fn(0, world_size, *args), ..., fn(world_size - 1, ...)] computed on a gloo group."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Manager().Queue()
-    mp.start_processes(
-        _rank_main,
-        args=(world_size, _free_port(), fn, args, results),
-        nprocs=world_size,
-        start_method="spawn",
-    )
-    by_rank = dict()
-    while not results.empty():
-        rank, value, error = results.get()
-        if error is not None:
-            raise RuntimeError(f"rank {rank} failed:\n{error}")
-        by_rank[rank] = value
-    return [by_rank[rank] for rank in range(world_size)]
+    """[fn(0, world_size, *args), ..., fn(world_size - 1, ...)] on fresh workers of one gloo group
+    without Megatron (the function sets up whatever it needs; nothing outlives the call)."""
+    pool = DistributedPool(dp=world_size, megatron=False)
+    try:
+        return pool.run(_with_rank, fn, *args)
+    finally:
+        pool.close()

@@ -1,6 +1,6 @@
 """Drive fusedrl's slime extensions the way slime does, without slime.
 
-Three parts, written from slime's documented behaviour (docs/slime.md; slime's
+Four parts, written from slime's documented behaviour (docs/slime.md; slime's
 `megatron_utils/data.py: get_batch`, `cp_utils.py`, `loss.py: loss_function`), independently of the
 package's own layout code:
 
@@ -9,25 +9,16 @@ package's own layout code:
   per-token response tensors as slime's batch carries them.
 - Batches: deterministic slime-like samples and the per-rank micro-batch dict with slime's keys.
 - slime's loss wrapper: the `sum_of_sample_mean` reducer and the scaling of the returned loss.
-- `DistributedPool`: persistent CPU gloo workers with megatron-core's parallel_state initialised
-  for given tp / cp / dp sizes; `pool.run(fn, *args)` returns `[fn(RankInfo, *args)]` in rank order.
-  Workers are started once per configuration (`get_pool`) and reused by every test. They are
-  spawned, not forked: a fork after the test process has run torch's OpenMP thread pool can
-  deadlock the child's first parallel op.
+- Per-rank checks: a rank's logits and expected gradient, slime's loss wrapper run on a rank
+  (the workers come from `distributed.get_pool`), and the comparison with a float64 reference.
 """
 
-import atexit
-import multiprocessing
-import os
-import pickle
-import tempfile
-import traceback
-import warnings
 from argparse import Namespace
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from distributed import RankInfo
 from numerics import rel_err
 
 # ----------------------------------------------------------------------------- layouts
@@ -297,138 +288,7 @@ def slime_loss_function(args, batch, logits, loss_fn, cp_rank: int, scaling: Sca
     return loss, metrics
 
 
-# ----------------------------------------------------------------------------- distributed pool
-
-
-class RankInfo(NamedTuple):
-    """Where a worker sits in the megatron-core layout (order tp-cp-dp)."""
-
-    rank: int
-    world_size: int
-    tp_rank: int
-    tp_size: int
-    cp_rank: int
-    cp_size: int
-    dp_rank: int
-    dp_size: int
-
-
-def _quiet_megatron_import():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core import parallel_state
-    return parallel_state
-
-
-def _detached(value):
-    """The value with every tensor detached (autograd graphs do not cross processes)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_detached(v) for v in value)
-    if isinstance(value, tuple):
-        return type(value)(*(_detached(v) for v in value))
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
-
-
-def _worker(rank, world_size, init_file, tp, cp, tasks, results):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    parallel_state = _quiet_megatron_import()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False
-    )
-    info = RankInfo(
-        rank,
-        world_size,
-        parallel_state.get_tensor_model_parallel_rank(),
-        tp,
-        parallel_state.get_context_parallel_rank(),
-        cp,
-        parallel_state.get_data_parallel_rank(),
-        parallel_state.get_data_parallel_world_size(),
-    )
-    while True:
-        task = tasks.get()
-        if task is None:
-            break
-        fn, args = task
-        try:
-            # Pickled here so that a result that cannot cross processes fails this task, not the queue.
-            results.put((rank, pickle.dumps(_detached(fn(info, *args))), None))
-        except BaseException:  # reported to the parent, which raises it
-            results.put((rank, None, traceback.format_exc()))
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
-class DistributedPool:
-    """World of tp * cp * dp spawned CPU workers with megatron-core parallel_state initialised."""
-
-    def __init__(self, tp: int = 1, cp: int = 1, dp: int = 1, timeout: float = 120.0):
-        self.world_size = tp * cp * dp
-        self.timeout = timeout
-        ctx = multiprocessing.get_context("spawn")
-        self._init_file = tempfile.mktemp(prefix="fusedrl_gloo_")
-        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        self._results = ctx.Queue()
-        self._procs = [
-            ctx.Process(
-                target=_worker,
-                args=(rank, self.world_size, self._init_file, tp, cp, self._tasks[rank], self._results),
-                daemon=True,
-            )
-            for rank in range(self.world_size)
-        ]
-        for proc in self._procs:
-            proc.start()
-
-    def run(self, fn, *args) -> list:
-        """[fn(RankInfo, *args)] on every rank, in rank order; a failing rank raises here."""
-        for queue in self._tasks:
-            queue.put((fn, args))
-        by_rank, errors = {}, []
-        for _ in range(self.world_size):
-            rank, value, error = self._results.get(timeout=self.timeout)
-            if error is not None:
-                errors.append(f"rank {rank} failed:\n{error}")
-            by_rank[rank] = None if value is None else pickle.loads(value)
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return [by_rank[rank] for rank in range(self.world_size)]
-
-    def close(self) -> None:
-        for queue in self._tasks:
-            queue.put(None)
-        for proc in self._procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-        if os.path.exists(self._init_file):
-            os.remove(self._init_file)
-
-
-_POOLS = {}
-
-
-def get_pool(tp: int = 1, cp: int = 1, dp: int = 1) -> DistributedPool:
-    """The session's pool for this configuration, started on first use and closed at exit."""
-    key = (tp, cp, dp)
-    if key not in _POOLS:
-        _POOLS[key] = DistributedPool(tp, cp, dp)
-    return _POOLS[key]
-
-
-@atexit.register
-def _close_pools() -> None:
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
+# ----------------------------------------------------------------------------- per-rank checks
 
 
 def gather_grad_reference(

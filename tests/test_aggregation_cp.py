@@ -3,10 +3,11 @@ real megatron-core parallel_state on a gloo group) sum to the cp = 1 value, grad
 
 import pytest
 import torch
-from slime_harness import get_pool
-from test_aggregation import MODES, PARTITIONS, WHOLE, aggregate_with_grad, get_batch, local_pg_loss, make_step
+from aggregation_step import PARTITIONS, WHOLE, aggregate_with_grad, get_batch, local_pg_loss, make_step
+from distributed import get_pool
 
 from fusedrl.slime_ext import aggregation
+from fusedrl.slime_ext.flags.aggregation import MODES
 
 CASES = [(mode, False) for mode in MODES] + [("prompt_mean", True)]
 TOL = 1e-12

@@ -5,9 +5,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fusedrl.slime_ext import aggregation, carry
+from fusedrl.slime_ext import carry
+from fusedrl.slime_ext.rollout import prompt_groups
 
-KEY = aggregation.PROMPT_DENOMINATOR_KEY
+KEY = carry.PROMPT_DENOMINATOR_KEY
 
 
 def sample(index, group, mask, rollout_id=None, removed=False, inputs=None):
@@ -65,7 +66,7 @@ def flat(groups):
 def test_group_denominators_attached_to_every_training_sample(wrap):
     groups = uneven_groups()
     output = wrap(groups)
-    assert aggregation.generate_rollout(wrapper_args(), 5, output) is output
+    assert prompt_groups.generate_rollout(wrapper_args(), 5, output) is output
     # group 7: 3 + 1 + 0 (removed); group 8: 0, clamped at 1; group 3: 4 (no mask = all tokens)
     assert denominators(flat(groups)) == [4.0, 4.0, 4.0, 1.0, 1.0, 4.0]
     assert torch.equal(flat(groups)[5].multimodal_train_inputs["pixel_values"], torch.ones(2, 3))  # kept
@@ -74,7 +75,7 @@ def test_group_denominators_attached_to_every_training_sample(wrap):
 
 def test_strict_scale_multiplies_by_prompts_over_rollouts():
     groups = uneven_groups()
-    aggregation.generate_rollout(wrapper_args(strict=True), 0, groups)
+    prompt_groups.generate_rollout(wrapper_args(strict=True), 0, groups)
     # P = 3 groups, N = 5 rollouts (samples 3 and 4 are one)
     assert denominators(flat(groups)) == pytest.approx([4 * 3 / 5] * 3 + [3 / 5] * 2 + [4 * 3 / 5], rel=1e-15)
 
@@ -82,7 +83,7 @@ def test_strict_scale_multiplies_by_prompts_over_rollouts():
 def test_compact_rollouts_nested_deeper_are_found():
     groups = uneven_groups()
     nested = [[groups[0]], [groups[1], groups[2]]]
-    aggregation.generate_rollout(wrapper_args(), 0, nested)
+    prompt_groups.generate_rollout(wrapper_args(), 0, nested)
     assert denominators(flat(groups)) == [4.0, 4.0, 4.0, 1.0, 1.0, 4.0]
 
 
@@ -90,7 +91,7 @@ def test_sample_without_group_is_rejected():
     groups = uneven_groups()
     groups[1][1].group_index = None
     with pytest.raises(ValueError, match=r"prompt_mean needs Sample.group_index .* group_index=None for sample 4 of the step \(index=4\)"):
-        aggregation.generate_rollout(wrapper_args(), 0, groups)
+        prompt_groups.generate_rollout(wrapper_args(), 0, groups)
 
 
 class NoGroup(SimpleNamespace):
@@ -102,22 +103,22 @@ class NoGroup(SimpleNamespace):
 @pytest.mark.parametrize("mode", ["sample_mean", "token_mean", "constant"])
 def test_other_modes_pass_through_without_reading_groups(mode):
     samples = [NoGroup(index=0, loss_mask=[1], response_length=1, multimodal_train_inputs=None)]
-    assert aggregation.generate_rollout(wrapper_args(mode), 0, [samples]) == [samples]
+    assert prompt_groups.generate_rollout(wrapper_args(mode), 0, [samples]) == [samples]
     assert samples[0].multimodal_train_inputs is None
 
 
 def test_evaluation_passes_through_untouched():
     groups = uneven_groups()
-    aggregation.generate_rollout(wrapper_args(), 2, groups, evaluation=True)
+    prompt_groups.generate_rollout(wrapper_args(), 2, groups, evaluation=True)
     assert CALLS[-1] == (2, True)
     assert all(s.multimodal_train_inputs is None or KEY not in s.multimodal_train_inputs for s in flat(groups))
 
 
 def test_later_rollouts_overwrite_stale_denominators():
     groups = uneven_groups()
-    aggregation.generate_rollout(wrapper_args(), 0, groups)
+    prompt_groups.generate_rollout(wrapper_args(), 0, groups)
     groups[0][0].loss_mask = [1, 1, 1, 1]
-    aggregation.generate_rollout(wrapper_args(), 1, groups)
+    prompt_groups.generate_rollout(wrapper_args(), 1, groups)
     assert denominators(groups[0]) == [5.0, 5.0, 5.0]
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from fusedrl.slime_ext.losses import policy_loss
+from distributed import get_pool
 from slime_harness import (
     RESPONSES,
     TOTALS,
     VOCAB,
     assert_ranks_match_reference,
-    get_pool,
     make_logits,
     make_samples,
     micro_batch,
@@ -202,13 +202,13 @@ def test_policy_loss_is_bitwise_deterministic():
     ],
 )
 def test_policy_validation_names_the_flag(overrides, named):
-    from fusedrl.slime_ext.losses.policy import validate_args
+    from fusedrl.slime_ext.flags.policy import validate_args
 
     with pytest.raises(ValueError, match=named):
         validate_args(slime_args(**overrides))
 
 
 def test_policy_validation_ignores_other_losses():
-    from fusedrl.slime_ext.losses.policy import validate_args
+    from fusedrl.slime_ext.flags.policy import validate_args
 
     validate_args(slime_args(loss_type="policy_loss", use_tis=True))

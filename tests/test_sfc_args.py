@@ -4,15 +4,14 @@ import argparse
 
 import pytest
 
-from fusedrl.slime_ext import aggregation
-from fusedrl.slime_ext.losses import sfc
+from fusedrl.slime_ext.arguments import add_fusedrl_arguments, validate_fusedrl_args
+from fusedrl.slime_ext.flags import sfc
 
 
 def parsed(*argv, **slime_defaults):
     """slime's flags the checks read (at slime's defaults), plus the package's, parsed."""
     parser = argparse.ArgumentParser()
-    sfc.add_arguments(parser)
-    aggregation.add_arguments(parser)
+    add_fusedrl_arguments(parser)
     args = parser.parse_args(list(argv))
     values = dict(
         loss_type="custom_loss",
@@ -25,6 +24,10 @@ def parsed(*argv, **slime_defaults):
         entropy_coef=0.0,
         calculate_per_token_loss=False,
         custom_pg_loss_reducer_function_path=None,
+        advantage_estimator="grpo",
+        eps_clip_c=None,
+        use_kl_loss=False,
+        kl_loss_type="k1",
     )
     values.update(slime_defaults)
     for key, value in values.items():
@@ -37,11 +40,11 @@ GOOD = ("--sfc-num-auxiliary-token-samples", "4", "--sfc-kl-beta", "0.1")
 
 def test_valid_configuration_installs_the_rollout_wrapper():
     args = parsed(*GOOD, custom_generate_function_path="my.multi_turn.generate")
-    sfc.validate_args(args)
+    validate_fusedrl_args(args)
     assert args.custom_generate_function_path == sfc.GENERATE_PATH
     assert args.sfc_inner_generate_function_path == "my.multi_turn.generate"
     assert args.loss_aggregation == "sample_mean"
-    sfc.validate_args(args)  # again: nothing changes
+    validate_fusedrl_args(args)  # again: nothing changes
     assert args.sfc_inner_generate_function_path == "my.multi_turn.generate"
 
 
@@ -51,7 +54,7 @@ def test_valid_configuration_installs_the_rollout_wrapper():
 )
 def test_agg_mode_sets_the_loss_aggregation(mode, aggregation_mode, per_token, divisor):
     args = parsed(*GOOD, "--sfc-loss-agg-mode", mode)
-    sfc.validate_args(args)
+    validate_fusedrl_args(args)
     assert (args.loss_aggregation, args.calculate_per_token_loss, args.loss_aggregation_divisor) == (aggregation_mode, per_token, divisor)
 
 
@@ -76,10 +79,10 @@ def test_agg_mode_sets_the_loss_aggregation(mode, aggregation_mode, per_token, d
 def test_bad_configuration_names_the_flag(argv, slime, flag):
     args = parsed(*argv, **slime)
     with pytest.raises(ValueError, match=flag):
-        sfc.validate_args(args)
+        validate_fusedrl_args(args)
 
 
 def test_other_losses_are_left_alone():
     args = parsed(custom_loss_function_path="fusedrl.slime_ext.losses.policy_loss")
-    sfc.validate_args(args)
+    validate_fusedrl_args(args)
     assert args.custom_generate_function_path is None

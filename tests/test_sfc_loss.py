@@ -10,22 +10,23 @@ import math
 import pytest
 import torch
 
+from fusedrl.slime_ext.carry import SFC_DRAWS_KEY as DRAWS_KEY
+from fusedrl.slime_ext.carry import SFC_VERSIONS_KEY as VERSIONS_KEY
+from fusedrl.slime_ext.flags.sfc import AGG_MODES
 from fusedrl.slime_ext.losses.sfc import (
-    DRAWS_KEY,
-    VERSIONS_KEY,
     CenteredScores,
     centered_scores,
     kl_coefficients,
     sfc_loss,
     sfc_token_loss,
 )
+from distributed import RankInfo, get_pool
 from numerics import rel_err
 from slime_harness import (
     RESPONSES,
     TOTALS,
     VOCAB,
     assert_ranks_match_reference,
-    get_pool,
     make_logits,
     make_samples,
     micro_batch,
@@ -42,8 +43,6 @@ BETA = 0.7
 
 
 def sfc_args(num_draws, agg_mode="sample-mean", **overrides):
-    from fusedrl.slime_ext.losses.sfc import AGG_MODES
-
     aggregation, divisor = AGG_MODES[agg_mode]
     return slime_args(
         custom_loss_function_path="fusedrl.slime_ext.losses.sfc_loss",
@@ -222,12 +221,6 @@ def test_sfc_loss_rejects_draws_of_the_wrong_width():
     samples = make_samples(31, TOTALS, RESPONSES, VOCAB)
     draws, versions = make_draws(32, samples, 4)
     batch = carried_batch(samples, draws, versions, 0, 1)
-    logits = rank_logits(make_logits(31, TOTALS, VOCAB), get_pool_free_info())
+    logits = rank_logits(make_logits(31, TOTALS, VOCAB), RankInfo(0, 1, 0, 1, 0, 1, 0, 1))
     with pytest.raises(ValueError, match="sfc-num-auxiliary-token-samples"):
         sfc_loss(sfc_args(8), batch, logits, lambda x: x.sum())
-
-
-def get_pool_free_info():
-    from slime_harness import RankInfo
-
-    return RankInfo(0, 1, 0, 1, 0, 1, 0, 1)

@@ -10,8 +10,10 @@ from argparse import Namespace
 import pytest
 import torch
 
-from fusedrl.slime_ext import carry, sfc_rollout
-from fusedrl.slime_ext.losses.sfc import DRAWS_KEY, VERSIONS_KEY
+from fusedrl.slime_ext import carry
+from fusedrl.slime_ext.carry import SFC_DRAWS_KEY as DRAWS_KEY
+from fusedrl.slime_ext.carry import SFC_VERSIONS_KEY as VERSIONS_KEY
+from fusedrl.slime_ext.rollout import sfc_draws as sfc_rollout
 
 K = 3
 PROMPT = [5, 6, 7]

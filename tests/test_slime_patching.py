@@ -4,6 +4,8 @@ every module that imported the targets is patched, installing twice is harmless,
 restores the originals; bad configurations stop at startup with a message naming the flag."""
 
 import argparse
+import importlib.util
+import subprocess
 import sys
 import types
 
@@ -13,6 +15,7 @@ import torch
 import fusedrl.slime_ext as slime_ext
 from fusedrl.slime_ext import age, logprobs, patching
 from fusedrl.slime_ext import train as entry
+from fusedrl.slime_ext.arguments import add_fusedrl_arguments
 
 
 def _get_log_probs_and_entropy(
@@ -234,9 +237,46 @@ def test_unknown_aggregation_mode_is_rejected_by_the_parser(slime_entry, capsys)
     assert "--loss-aggregation" in capsys.readouterr().err
 
 
-def test_entry_point_needs_slime_entry_script(tmp_path):
-    with pytest.raises(ValueError, match="entry script"):
+def test_entry_point_needs_slime_entry_script(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "slime", _module("slime"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(SystemExit, match="no slime entry script given"):
+        entry.main([])
+    with pytest.raises(SystemExit, match="entry script .*missing.py"):
         entry.main([str(tmp_path / "missing.py")])
     (tmp_path / "lib.py").write_text("X = 1\n")
-    with pytest.raises(ValueError, match="train"):
+    with pytest.raises(SystemExit, match="train"):
         entry.main([str(tmp_path / "lib.py")])
+
+
+def test_entry_point_without_slime_says_so_before_loading_the_script(tmp_path, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text("raise AssertionError('the script must not be loaded')\n")
+    find_spec = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "slime", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "slime" else find_spec(name, *a))
+    with pytest.raises(SystemExit, match="slime is not importable"):
+        entry.main([str(script)])
+
+
+def run_entry_point(*argv):
+    return subprocess.run(
+        [sys.executable, "-m", "fusedrl.slime_ext.train", *argv], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_help_lists_the_package_flags():
+    result = run_entry_point("--help")
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.startswith("usage: python -m fusedrl.slime_ext.train path/to/slime/train.py")
+    parser = argparse.ArgumentParser()
+    add_fusedrl_arguments(parser)
+    flags = [option for action in parser._actions for option in action.option_strings if option != "-h" and option != "--help"]
+    assert flags and all(flag in result.stdout for flag in flags)
+
+
+def test_a_missing_script_is_a_one_line_error(tmp_path):
+    result = run_entry_point(str(tmp_path / "missing.py"), "--loss-aggregation", "token_mean")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("python -m fusedrl.slime_ext.train: error: the first argument must be slime's entry script")

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from fusedrl.slime_ext.logprobs import calculate_log_probs_and_entropy, get_log_probs_and_entropy
+from distributed import get_pool
 from numerics import rel_err
 from slime_harness import (
     fill_non_response_rows,
     gather_grad_reference,
-    get_pool,
     make_logits,
     make_samples,
     rank_logits,

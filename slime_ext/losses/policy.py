@@ -16,50 +16,15 @@ loss to the reference model (k1, k2, k3, low_var_kl; --use-unbiased-kl) and
 Per-token tensors follow slime's CP layout: the rank's zigzag response positions, samples
 concatenated (old log-probs and advantages arrive sliced that way).
 
-slime features this loss does not implement are refused at startup by `validate_args` (GSPO,
+slime features this loss does not implement are refused at startup (`flags/policy.py`: GSPO,
 OPSM, TIS / mismatch metrics, score centering, a custom pg_loss reducer), never ignored.
 """
 
 import torch
 
-from .. import aggregation
+from ..flags.policy import KL_TYPES, pg_loss_type
 from ..logprobs import response_log_probs
-
-LOSS_PATH = "fusedrl.slime_ext.losses.policy_loss"
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-UNSUPPORTED_FLAGS = ("use_opsm", "use_tis", "get_mismatch_metrics", "use_score_centering")
-
-
-def pg_loss_type(args) -> str:
-    """slime's choice of objective: reinforce (--pg-loss-type reinforce), cispo (advantage
-    estimator cispo) or ppo."""
-    if getattr(args, "pg_loss_type", None) == "reinforce":
-        if args.advantage_estimator in ("gspo", "cispo"):
-            raise ValueError(
-                f"--pg-loss-type reinforce cannot combine with --advantage-estimator {args.advantage_estimator}"
-            )
-        return "reinforce"
-    return "cispo" if args.advantage_estimator == "cispo" else "ppo"
-
-
-def validate_args(args) -> None:
-    """Startup checks when this loss is configured; ValueError naming the flag."""
-    if getattr(args, "loss_type", None) != "custom_loss" or getattr(args, "custom_loss_function_path", None) != LOSS_PATH:
-        return
-    pg_loss_type(args)
-    if args.advantage_estimator == "gspo":
-        raise ValueError(f"--advantage-estimator gspo (sequence-level ratio) is not implemented by {LOSS_PATH}")
-    for flag in UNSUPPORTED_FLAGS:
-        if getattr(args, flag, False):
-            raise ValueError(f"--{flag.replace('_', '-')} is not implemented by {LOSS_PATH}")
-    if getattr(args, "custom_pg_loss_reducer_function_path", None) is not None:
-        raise ValueError(
-            f"--custom-pg-loss-reducer-function-path is not used by {LOSS_PATH}; choose --loss-aggregation instead"
-        )
-    if args.eps_clip_c is not None and not args.eps_clip_c > 1.0:
-        raise ValueError(f"--eps-clip-c (dual-clip lower bound) must be > 1.0, got {args.eps_clip_c}")
-    if args.use_kl_loss and args.kl_loss_type not in KL_TYPES:
-        raise ValueError(f"--kl-loss-type must be one of {KL_TYPES}, got {args.kl_loss_type!r}")
+from .contract import aggregate_pg_term, detached, reaching_logits
 
 
 def approx_kl(log_probs, ref_log_probs, kl_loss_type: str, importance_ratio=None) -> torch.Tensor:
@@ -111,14 +76,6 @@ def _top_p_kwargs(args, batch) -> dict:
     return {"top_p_token_ids": ids, "top_p_token_offsets": offsets}
 
 
-def _pg_loss(args, batch, pg_loss, sum_of_sample_mean):
-    """pg_loss aggregated by --loss-aggregation; slime's reducer when the package's flags were not
-    registered (then the mode is the default, sample_mean, which is that reducer)."""
-    if getattr(args, "loss_aggregation", None) is None:
-        return sum_of_sample_mean(pg_loss)
-    return aggregation.aggregate_pg_loss(args, batch, pg_loss)
-
-
 def policy_loss(args, batch, logits, sum_of_sample_mean):
     """slime custom-loss entry: `(loss, metrics)` for one micro-batch, metrics detached 0-d sums of
     per-sample means named as slime names them."""
@@ -146,7 +103,7 @@ def policy_loss(args, batch, logits, sum_of_sample_mean):
     else:
         pg_loss, pg_clipfrac = clipped_surrogate(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
 
-    pg_loss = _pg_loss(args, batch, pg_loss, sum_of_sample_mean)
+    pg_loss = aggregate_pg_term(args, batch, pg_loss, sum_of_sample_mean)
     entropy_loss = sum_of_sample_mean(torch.cat(per_sample_entropy))
     loss = pg_loss - args.entropy_coef * entropy_loss
     metrics = {
@@ -165,8 +122,7 @@ def policy_loss(args, batch, logits, sum_of_sample_mean):
         if coef != 0:
             loss = loss + coef * metrics["kl_loss"]
 
-    if log_probs.numel() == 0:  # keep every rank's backward through the logits
-        loss = loss + 0 * logits.sum()
+    loss = reaching_logits(loss, logits, log_probs.numel())
 
     rollout_log_probs = batch.get("rollout_log_probs")
     if rollout_log_probs:
@@ -175,4 +131,4 @@ def policy_loss(args, batch, logits, sum_of_sample_mean):
     if batch.get("opd_reverse_kl"):
         metrics["opd_reverse_kl"] = sum_of_sample_mean(torch.cat(batch["opd_reverse_kl"]))
 
-    return loss, {key: value.clone().detach() for key, value in {"loss": loss, **metrics}.items()}
+    return loss, detached({"loss": loss, **metrics})

@@ -1,6 +1,7 @@
 """SFC's rollout side: the sampled token plus K draws per generated token, carried to the loss.
 
-`generate` is slime's --custom-generate-function-path (installed by the SFC flag checks, which
+`generate` is slime's --custom-generate-function-path (installed by the SFC flag checks,
+`flags/sfc.py`, which
 move a user's own generate function to --sfc-inner-generate-function-path). For training
 rollouts it runs the inner generate function (default: slime's
 `slime.rollout.sglang_rollout.generate`) with every /generate request it sends through the
@@ -11,8 +12,8 @@ sampled token followed by K draws from the same untruncated distribution. Each r
 the first being the sampled token; anything else fails the turn) and the sample gets, through
 slime_ext/carry.py, per response token:
 
-- `DRAWS_KEY` [resp_len, K] int64: the draws;
-- `VERSIONS_KEY` [resp_len] int64: the weight version of the call that generated the token.
+- `SFC_DRAWS_KEY` [resp_len, K] int64: the draws;
+- `SFC_VERSIONS_KEY` [resp_len] int64: the weight version of the call that generated the token.
 
 Tokens the inner function appends without generating them (a multi-turn tool observation) must be
 loss-masked; they get the token itself as draws (a zero centered score) and version -1 (no age).
@@ -26,10 +27,10 @@ from typing import List, NamedTuple
 
 import torch
 
-from ..sglang_plugin.client import parse_token_samples
-from . import carry
-from .losses.sfc import DRAWS_KEY, VERSIONS_KEY
-from .hooks import load_function
+from ...sglang_plugin.client import parse_token_samples
+from .. import carry
+from ..carry import SFC_DRAWS_KEY, SFC_VERSIONS_KEY
+from ..hooks import load_function
 
 DEFAULT_INNER = "slime.rollout.sglang_rollout.generate"
 NOT_GENERATED = -1  # version of response tokens no /generate call produced
@@ -128,8 +129,8 @@ def attach_draws(sample, before: int, meta_infos: List[dict], num_draws: int) ->
         )
     _append_filler(draws, versions, tokens[position:], num_draws)
     empty = [torch.zeros(0, num_draws, dtype=torch.int64)], [torch.zeros(0, dtype=torch.int64)]
-    carry.attach(sample, DRAWS_KEY, torch.cat(draws or empty[0]))
-    carry.attach(sample, VERSIONS_KEY, torch.cat(versions or empty[1]))
+    carry.attach(sample, SFC_DRAWS_KEY, torch.cat(draws or empty[0]))
+    carry.attach(sample, SFC_VERSIONS_KEY, torch.cat(versions or empty[1]))
 
 
 def _previous(sample, before: int, num_draws: int):
@@ -137,13 +138,13 @@ def _previous(sample, before: int, num_draws: int):
     inputs = sample.multimodal_train_inputs or {}
     if before == 0:
         return [], []
-    if DRAWS_KEY not in inputs or inputs[DRAWS_KEY].shape != (before, num_draws):
-        got = tuple(inputs[DRAWS_KEY].shape) if DRAWS_KEY in inputs else None
+    if SFC_DRAWS_KEY not in inputs or inputs[SFC_DRAWS_KEY].shape != (before, num_draws):
+        got = tuple(inputs[SFC_DRAWS_KEY].shape) if SFC_DRAWS_KEY in inputs else None
         raise ValueError(
             f"the sample already has {before} response tokens but carries draws of shape {got}, "
             f"expected ({before}, {num_draws}): it was not generated through SFC's generate"
         )
-    return [inputs[DRAWS_KEY]], [inputs[VERSIONS_KEY]]
+    return [inputs[SFC_DRAWS_KEY]], [inputs[SFC_VERSIONS_KEY]]
 
 
 def _find_segment(tokens, mask, position: int, generated: List[int], call: int) -> int:

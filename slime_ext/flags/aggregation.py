@@ -1,0 +1,161 @@
+"""The --loss-aggregation flags: registered on slime's parser, resolved and checked at startup.
+
+The modes are defined in `slime_ext/aggregation.py` (train side). Resolving a mode may install a
+slime hook: `token_mean` turns --calculate-per-token-loss on, `constant` with slime's own policy
+loss installs the package's pg_loss reducer, and `prompt_mean` puts the package's rollout wrapper
+(`rollout/prompt_groups.py`) in place of --rollout-function-path. Another feature's flag may stand
+for a mode (--sfc-loss-agg-mode): it comes in as an `Implied` choice, which the caller can only
+have by running that feature's checks first.
+"""
+
+import math
+from typing import NamedTuple, Optional
+
+MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
+SAMPLE_MODES = ("sample_mean", "prompt_mean")  # need per-sample data slime's reducer hook lacks
+REDUCER_PATH = "fusedrl.slime_ext.aggregation.get_pg_loss_reducer"
+ROLLOUT_FUNCTION_PATH = "fusedrl.slime_ext.rollout.prompt_groups.generate_rollout"
+
+
+class Implied(NamedTuple):
+    """The mode (and divisor) another flag stands for, and that flag as the user gave it."""
+
+    mode: str
+    divisor: Optional[float]
+    flag: str
+
+
+def add_arguments(parser):
+    """Register the aggregation flags on slime's parser."""
+    parser.add_argument(
+        "--loss-aggregation",
+        choices=MODES,
+        default=None,
+        help="How pg_loss is aggregated (ScaleRL): sample_mean (slime's default), prompt_mean "
+        "(DAPO), token_mean (sets --calculate-per-token-loss) or constant (Dr.GRPO). Default: "
+        "sample_mean, or token_mean when --calculate-per-token-loss is given.",
+    )
+    parser.add_argument(
+        "--loss-aggregation-divisor",
+        type=float,
+        metavar="L",
+        default=None,
+        help="L for --loss-aggregation constant: each sample contributes sum(loss * mask) / L "
+        "(e.g. the maximum response length). Finite and > 0; ignored by the other modes.",
+    )
+    parser.add_argument(
+        "--loss-aggregation-strict-prompt-scale",
+        action="store_true",
+        help="prompt_mean only: multiply the weights by N / P (rollouts / prompt groups of the "
+        "step) so the loss is the strict DAPO / ScaleRL (1 / P) sum over groups of the group "
+        "token mean, instead of P / N times it. Ignored by the other modes.",
+    )
+    parser.add_argument(
+        "--loss-aggregation-inner-rollout-function-path",
+        default=None,
+        metavar="PATH",
+        help="prompt_mean only: the rollout function the package's rollout wrapper calls. "
+        "Default: the --rollout-function-path given (the wrapper takes its place).",
+    )
+    return parser
+
+
+def mode_of(args) -> str:
+    """The resolved --loss-aggregation mode of slime's args."""
+    mode = args.loss_aggregation
+    if mode not in MODES:
+        raise ValueError(f"--loss-aggregation must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def validate_args(args, implied: Optional[Implied]) -> None:
+    """Resolve the mode and check its flags at startup; ValueError naming the flag otherwise.
+
+    `implied` is what another feature's flag says the mode must be (None: nothing). Calling it
+    again on the resulting args changes nothing.
+    """
+    if implied is not None:
+        _apply(args, implied)
+    per_token = bool(getattr(args, "calculate_per_token_loss", False))
+    if args.loss_aggregation is None:
+        args.loss_aggregation = "token_mean" if per_token else "sample_mean"
+    mode = mode_of(args)
+    if mode == "constant":
+        _check_divisor(args.loss_aggregation_divisor)
+        if per_token:
+            raise ValueError(
+                "--loss-aggregation constant divides each sample by --loss-aggregation-divisor and is "
+                "incompatible with --calculate-per-token-loss (which divides by the token count)"
+            )
+    if mode in SAMPLE_MODES and per_token:
+        raise ValueError(
+            f"--loss-aggregation {mode} weighs samples, but --calculate-per-token-loss selects slime's "
+            "per-token mean: use --loss-aggregation token_mean for that"
+        )
+    if mode == "token_mean":
+        args.calculate_per_token_loss = True
+    _check_pg_loss_path(args, mode)
+    if mode == "prompt_mean":
+        _install_rollout_wrapper(args)
+
+
+def _apply(args, implied: Implied) -> None:
+    """Set the mode (and divisor) `implied` stands for, refusing a different one given explicitly."""
+    current = getattr(args, "loss_aggregation", None)
+    if current is not None and current != implied.mode:
+        raise ValueError(f"{implied.flag} means --loss-aggregation {implied.mode}, got --loss-aggregation {current}")
+    given = getattr(args, "loss_aggregation_divisor", None)
+    if implied.divisor is not None and given is not None and float(given) != implied.divisor:
+        raise ValueError(f"{implied.flag} means --loss-aggregation-divisor {implied.divisor}, got {given}")
+    args.loss_aggregation = implied.mode
+    if implied.divisor is not None:
+        args.loss_aggregation_divisor = implied.divisor
+
+
+def _check_divisor(divisor) -> None:
+    if divisor is None or not math.isfinite(float(divisor)) or float(divisor) <= 0.0:
+        raise ValueError(
+            f"--loss-aggregation-divisor must be finite and > 0 under --loss-aggregation constant, got {divisor!r}"
+        )
+
+
+def _check_pg_loss_path(args, mode: str) -> None:
+    """Make sure the configured loss actually applies the mode."""
+    reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
+    loss_type = getattr(args, "loss_type", None)
+    if reducer == REDUCER_PATH and mode in SAMPLE_MODES:
+        raise ValueError(
+            f"--custom-pg-loss-reducer-function-path {REDUCER_PATH} cannot apply --loss-aggregation {mode} "
+            "(slime's reducer hook receives no per-sample denominators)"
+        )
+    if mode == "prompt_mean" and loss_type != "custom_loss":
+        raise ValueError(
+            "--loss-aggregation prompt_mean is applied by the package's losses (--loss-type custom_loss "
+            "--custom-loss-function-path fusedrl.slime_ext.losses.policy_loss or sfc_loss), got "
+            f"--loss-type {loss_type}"
+        )
+    if mode == "constant" and loss_type == "policy_loss":
+        if reducer is None:
+            args.custom_pg_loss_reducer_function_path = REDUCER_PATH
+        elif reducer != REDUCER_PATH:
+            raise ValueError(
+                "--loss-aggregation constant with --loss-type policy_loss needs --custom-pg-loss-reducer-"
+                f"function-path {REDUCER_PATH}, got {reducer}"
+            )
+
+
+def _install_rollout_wrapper(args) -> None:
+    inner = args.loss_aggregation_inner_rollout_function_path
+    if args.rollout_function_path != ROLLOUT_FUNCTION_PATH:
+        if inner is not None and inner != args.rollout_function_path:
+            raise ValueError(
+                f"--loss-aggregation-inner-rollout-function-path {inner} conflicts with --rollout-function-path "
+                f"{args.rollout_function_path}: give the rollout function once"
+            )
+        args.loss_aggregation_inner_rollout_function_path = args.rollout_function_path
+        args.rollout_function_path = ROLLOUT_FUNCTION_PATH
+    elif inner is None:
+        raise ValueError(
+            f"--rollout-function-path {ROLLOUT_FUNCTION_PATH} needs --loss-aggregation-inner-rollout-"
+            "function-path (the rollout function it wraps)"
+        )

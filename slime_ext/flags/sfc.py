@@ -1,0 +1,115 @@
+"""The --sfc-* flags: registered on slime's parser and checked at startup.
+
+When the SFC loss is configured, the checks install SFC's rollout side as slime's
+--custom-generate-function-path (moving a user's generate function behind it) and return the
+--loss-aggregation mode --sfc-loss-agg-mode stands for, for the aggregation checks to apply.
+"""
+
+import math
+from typing import Optional
+
+from .aggregation import Implied
+
+LOSS_PATHS = ("fusedrl.slime_ext.losses.sfc_loss", "fusedrl.slime_ext.losses.sfc.sfc_loss")
+GENERATE_PATH = "fusedrl.slime_ext.rollout.sfc_draws.generate"
+# --sfc-loss-agg-mode -> (--loss-aggregation, --loss-aggregation-divisor)
+AGG_MODES = {"sample-mean": ("sample_mean", None), "token-mean": ("token_mean", None), "token-sum": ("constant", 1.0)}
+FLAGS = ("sfc_num_auxiliary_token_samples", "sfc_kl_beta", "sfc_loss_agg_mode", "sfc_inner_generate_function_path")
+
+
+def uses_sfc(args) -> bool:
+    """Whether slime's configured loss is the SFC loss."""
+    return getattr(args, "loss_type", None) == "custom_loss" and getattr(args, "custom_loss_function_path", None) in LOSS_PATHS
+
+
+def add_arguments(parser):
+    """Register the --sfc-* flags on slime's parser."""
+    parser.add_argument(
+        "--sfc-num-auxiliary-token-samples",
+        type=int,
+        metavar="K",
+        default=None,
+        help="K: auxiliary draws per generated token requested from the SGLang plugin for SFC (>= 1). "
+        "Required with the SFC loss.",
+    )
+    parser.add_argument(
+        "--sfc-kl-beta",
+        type=float,
+        metavar="BETA0",
+        default=None,
+        help="beta0 of SFC's KL pull toward the sampler: a token of age a (optimizer steps since its "
+        "weights were pushed) gets beta0 / sqrt(a), fresh tokens 0. Required with the SFC loss.",
+    )
+    parser.add_argument(
+        "--sfc-loss-agg-mode",
+        choices=sorted(AGG_MODES),
+        default=None,
+        help="Aggregation of SFC's per-token loss: sample-mean (--loss-aggregation sample_mean), "
+        "token-mean (token_mean) or token-sum (constant with divisor 1). Default: --loss-aggregation.",
+    )
+    parser.add_argument(
+        "--sfc-inner-generate-function-path",
+        default=None,
+        metavar="PATH",
+        help="The generate function SFC's rollout wrapper calls (default: slime's "
+        "slime.rollout.sglang_rollout.generate; a --custom-generate-function-path given is moved here).",
+    )
+    return parser
+
+
+def validate_args(args) -> Optional[Implied]:
+    """Check the SFC configuration at startup (ValueError naming the flag), install the rollout
+    wrapper, and return the aggregation --sfc-loss-agg-mode stands for (None when not given or
+    when the loss is not SFC). Calling it again changes nothing."""
+    if not uses_sfc(args):
+        _reject_unused_flags(args)
+        return None
+    num_draws = args.sfc_num_auxiliary_token_samples
+    if num_draws is None or isinstance(num_draws, bool) or int(num_draws) != num_draws or num_draws < 1:
+        raise ValueError(f"--sfc-num-auxiliary-token-samples must be an integer >= 1 with the SFC loss, got {num_draws!r}")
+    beta = args.sfc_kl_beta
+    if beta is None or not math.isfinite(float(beta)) or float(beta) < 0:
+        raise ValueError(f"--sfc-kl-beta must be finite and >= 0 with the SFC loss, got {beta!r}")
+    _check_untruncated_sampling(args)
+    _install_generate_wrapper(args)
+    mode = args.sfc_loss_agg_mode
+    return None if mode is None else Implied(*AGG_MODES[mode], flag=f"--sfc-loss-agg-mode {mode}")
+
+
+def _reject_unused_flags(args) -> None:
+    for flag in FLAGS:
+        if getattr(args, flag, None) is not None:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} is set but the loss is not SFC (--loss-type custom_loss "
+                f"--custom-loss-function-path {LOSS_PATHS[0]})"
+            )
+
+
+def _check_untruncated_sampling(args) -> None:
+    """The draws and the sampled token must come from the distribution the loss centers on."""
+    temperature = float(getattr(args, "rollout_temperature", 1.0))
+    expected = (
+        ("rollout_top_p", 1.0, "sampling must be untruncated"),
+        ("rollout_top_k", -1, "sampling must be untruncated"),
+        ("entropy_coef", 0.0, "SFC has no entropy term"),
+        ("flush_cache_interval", 1, "an in-place pause lets one request span two weight versions"),
+    )
+    for name, value, why in expected:
+        got = getattr(args, name, value)
+        if got != value:
+            raise ValueError(f"--{name.replace('_', '-')} must be {value} with the SFC loss ({why}), got {got!r}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"--rollout-temperature must be finite and > 0 with the SFC loss, got {temperature!r}")
+
+
+def _install_generate_wrapper(args) -> None:
+    current = getattr(args, "custom_generate_function_path", None)
+    if current is not None and current != GENERATE_PATH:
+        inner = args.sfc_inner_generate_function_path
+        if inner is not None and inner != current:
+            raise ValueError(
+                f"--sfc-inner-generate-function-path {inner} conflicts with --custom-generate-function-path "
+                f"{current}: give the generate function once"
+            )
+        args.sfc_inner_generate_function_path = current
+    args.custom_generate_function_path = GENERATE_PATH
