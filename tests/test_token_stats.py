@@ -7,6 +7,7 @@ rows full of NaN that must never be read.
 
 import pytest
 import torch
+from bench.eager import eager_token_stats as eager_same_dtype
 from numerics import rel_err
 
 from fusedrl.kernels import token_stats, token_stats_reference
@@ -47,14 +48,6 @@ def run_with_grad(fn, logits, ids, grads=None, **kwargs):
 
 def random_logits(num_rows, vocab, dtype, generator, scale=3.0):
     return (torch.randn(num_rows, vocab, generator=generator) * scale).to(dtype)
-
-
-def eager_same_dtype(logits, ids, temperature, with_entropy, rows=None):
-    """slime's eager computation carried out in the logits' own dtype: the bar for low precision."""
-    selected = logits if rows is None else logits[rows]
-    log_probs = torch.log_softmax(selected / temperature, dim=-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
-    return log_probs.gather(1, ids), entropy, (selected / temperature).gather(1, ids)
 
 
 CASES = [
