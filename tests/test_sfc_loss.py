@@ -21,7 +21,7 @@ from fusedrl.slime_ext.losses.sfc import (
     sfc_token_loss,
 )
 from distributed import RankInfo, get_pool
-from numerics import rel_err
+from numerics import assert_parity
 from slime_harness import (
     RESPONSES,
     TOTALS,
@@ -184,7 +184,7 @@ def test_centered_score_gradient_on_fresh_tokens_is_the_pure_scatter(num_draws):
     expected.index_put_((rows.expand(-1, num_draws).reshape(-1), ids[:, 1:].reshape(-1)),
                         (advantages.double() / (num_draws * tau))[:, None].expand(-1, num_draws).reshape(-1), accumulate=True)
     assert bool((grad[expected == 0] == 0).all())  # exact zeros off the ids
-    assert rel_err(grad, expected) < 1e-6
+    assert_parity(grad, expected, 1e-6)
 
 
 def test_kl_coefficients():
@@ -214,7 +214,7 @@ def test_head_weights_center_on_the_weighted_head():
     scores = centered_scores(logits, ids, draw_weights=weights)
     z = logits.detach().double()
     expected = z.gather(1, ids[:, :1])[:, 0] - (z.gather(1, ids[:, 1:]) * weights.double()).sum(-1)
-    assert rel_err(scores.centered_score, expected) < 1e-6
+    assert_parity(scores.centered_score, expected, 1e-6)
 
 
 def test_sfc_loss_rejects_draws_of_the_wrong_width():

@@ -13,7 +13,7 @@ import torch
 
 from fusedrl.slime_ext.logprobs import calculate_log_probs_and_entropy, get_log_probs_and_entropy
 from distributed import get_pool
-from numerics import rel_err
+from numerics import assert_parity
 from slime_harness import (
     fill_non_response_rows,
     gather_grad_reference,
@@ -83,11 +83,11 @@ def test_get_log_probs_and_entropy_matches_eager_semantics(tp, cp, allgather, te
         for i in range(len(TOTALS)):
             pos = rank_response_positions(TOTALS[i], RESPONSES[i], info.cp_rank, info.cp_size)
             assert log_probs[i].dtype == torch.float32 and log_probs[i].shape == (len(pos),)
-            assert rel_err(log_probs[i], ref_lp[i][pos].detach()) < 1e-5
-            assert rel_err(entropies[i], ref_ent[i][pos].detach()) < 1e-5
+            assert_parity(log_probs[i], ref_lp[i][pos].detach(), 1e-5)
+            assert_parity(entropies[i], ref_ent[i][pos].detach(), 1e-5)
         expected = gather_grad_reference(ref_grads, info, allgather_cp=allgather, pad_multiple=PAD)
         assert bool(torch.isfinite(grad).all())
-        assert rel_err(grad, expected) < 1e-5
+        assert_parity(grad, expected, 1e-5)
 
 
 def test_entropy_carries_no_gradient_without_entropy_coef():
@@ -162,9 +162,9 @@ def test_calculate_log_probs_and_entropy_matches_eager_semantics(tp, masked):
     (ref_grad,) = torch.autograd.grad((ref_lp.squeeze(1) * weights[0]).sum() + (ref_ent * weights[1]).sum(), ref_logits)
     for rank, (log_probs, entropy, grad) in enumerate(get_pool(tp, 1).run(_rank_calculate, logits, tokens, keep, weights)):
         assert log_probs.shape == (num_rows, 1) and entropy.shape == (num_rows,)
-        assert rel_err(log_probs, ref_lp.detach()) < 1e-5
-        assert rel_err(entropy, ref_ent.detach()) < 1e-5
-        assert rel_err(grad, ref_grad.chunk(tp, -1)[rank]) < 1e-5
+        assert_parity(log_probs, ref_lp.detach(), 1e-5)
+        assert_parity(entropy, ref_ent.detach(), 1e-5)
+        assert_parity(grad, ref_grad.chunk(tp, -1)[rank], 1e-5)
 
 
 def test_calculate_on_empty_logits_and_without_entropy():
@@ -173,4 +173,5 @@ def test_calculate_on_empty_logits_and_without_entropy():
     logits = torch.randn(3, 8)
     log_probs, entropy = calculate_log_probs_and_entropy(logits, torch.tensor([1, 2, 3]), None, with_entropy_grad=False)
     expected = torch.log_softmax(logits.double(), -1)[torch.arange(3), torch.tensor([1, 2, 3])]
-    assert entropy is None and rel_err(log_probs.squeeze(1), expected) < 1e-6
+    assert entropy is None
+    assert_parity(log_probs.squeeze(1), expected, 1e-6)
