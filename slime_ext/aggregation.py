@@ -139,7 +139,7 @@ def get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_p
     if bool(calculate_per_token_loss) != (mode == "token_mean"):
         raise ValueError(
             f"--loss-aggregation {mode} got calculate_per_token_loss={calculate_per_token_loss} from slime; "
-            "run fusedrl's validate_args at startup (token_mean sets it, constant forbids it)"
+            "start through python -m fusedrl.slime_ext.train, whose flag checks set it (token_mean sets it, constant forbids it)"
         )
     denominators = _fixed_denominators(args, mode, len(loss_masks))
     tokens = LocalTokens.of(total_lengths, response_lengths, loss_masks, loss_masks[0].device)
