@@ -6,6 +6,8 @@ import pytest
 
 from fusedrl.slime_ext.arguments import add_fusedrl_arguments, validate_fusedrl_args
 from fusedrl.slime_ext.flags import sfc
+from fusedrl.slime_ext.hooks import load_function
+from fusedrl.slime_ext.rollout import sfc_draws
 
 
 def parsed(*argv, **slime_defaults):
@@ -42,6 +44,7 @@ def test_valid_configuration_installs_the_rollout_wrapper():
     args = parsed(*GOOD, custom_generate_function_path="my.multi_turn.generate")
     validate_fusedrl_args(args)
     assert args.custom_generate_function_path == sfc.GENERATE_PATH
+    assert load_function(sfc.GENERATE_PATH) is sfc_draws.generate
     assert args.sfc_inner_generate_function_path == "my.multi_turn.generate"
     assert args.loss_aggregation == "sample_mean"
     validate_fusedrl_args(args)  # again: nothing changes
