@@ -148,7 +148,7 @@ def main(argv=None):
     from .subjects import make_subjects
 
     cases = select_cases(args, gpu)
-    refusal = oversized_message(cases, available_bytes(device))
+    refusal = oversized_message(cases, available_bytes(device), device.type)
     if refusal:
         raise SystemExit(f"python -m bench: error: {refusal}")
     names = ["fused"] + [name for name in args.subjects if name != "fused"]

@@ -1,16 +1,18 @@
 """Whether the chosen cases fit the machine, checked before anything is allocated.
 
 The largest case bounds the run's memory: cases run one after the other and free their inputs.
-The estimate is generous on purpose (the eager baseline keeps several logits-sized buffers), so a
-refusal means the run would have swapped or been killed, not that it was close.
+The estimate counts the logits-sized buffers alive at the eager baseline's peak (its backward with
+the entropy), so a refusal means the run would have swapped, been killed or run out of device
+memory part way, not that it was close.
 """
 
 import os
 
 import torch
 
-# Share of the memory available now that a run may plan to use.
-USABLE_FRACTION = 0.5
+# Share of the memory available now that a run may plan to use: on CPU half, since running out
+# there swaps or wakes the OOM killer for the whole machine; on a GPU most of what is free.
+USABLE_FRACTION = {"cpu": 0.5, "cuda": 0.9}
 # Logits-sized buffers of a token-statistics case: the input, the measured copy and the gradient in
 # the logits' dtype; up to five fp32 temporaries of the eager baseline (tempered copy, log-softmax,
 # softmax, their product, a gradient).
@@ -41,16 +43,18 @@ def available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def oversized_message(cases, available: int):
-    """None when the largest case fits in USABLE_FRACTION of `available` bytes, else why it does not."""
+def oversized_message(cases, available: int, device_type: str):
+    """None when the largest case fits in the usable share of `available` bytes, else why not."""
     if not cases:
         return None
     largest = max(cases, key=estimated_peak_bytes)
     needed = estimated_peak_bytes(largest)
-    if needed <= USABLE_FRACTION * available:
+    fraction = USABLE_FRACTION[device_type]
+    if needed <= fraction * available:
         return None
+    where = "in RAM on this machine" if device_type == "cpu" else "on this GPU"
     return (
         f"case {largest.label} needs about {needed / 1e9:.1f} GB (estimate), more than "
-        f"{USABLE_FRACTION:.0%} of the {available / 1e9:.1f} GB available on this machine; "
+        f"{fraction:.0%} of the {available / 1e9:.1f} GB available {where}; "
         "choose smaller -T/--tokens or -V/--vocab values"
     )

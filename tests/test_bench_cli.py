@@ -83,11 +83,12 @@ def test_memory_estimate_bounds_the_largest_case_and_refuses_with_the_numbers():
     assert estimated_peak_bytes(big) >= 4 * big.input_bytes
     assert estimated_peak_bytes(SegmentCase(4096)) > SegmentCase(4096).floor_bytes("fwd+bwd")
     cases = [Case(32, 4748, "fp32", 1, False), big, SegmentCase(4096)]
-    message = oversized_message(cases, available=16 * 10**9)
+    message = oversized_message(cases, available=16 * 10**9, device_type="cpu")
     assert message.startswith("case T=16384 V=151936 fp32 J=1 needs about")
-    assert "16.0 GB available" in message and "-T/--tokens" in message
-    assert oversized_message(cases, available=10**12) is None
-    assert oversized_message(CPU_GRID.cases(), available=8 * 10**9) is None  # --full fits a laptop
+    assert "16.0 GB available in RAM" in message and "-T/--tokens" in message
+    assert oversized_message(cases, available=10**12, device_type="cpu") is None
+    assert oversized_message(CPU_GRID.cases(), available=8 * 10**9, device_type="cpu") is None  # --full fits a laptop
+    assert oversized_message(GPU_GRID.cases(), available=139 * 2**30, device_type="cuda") is None  # and --full an H200
 
 
 def test_oversized_cpu_run_refuses_before_allocating():
