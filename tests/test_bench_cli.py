@@ -110,6 +110,18 @@ def test_progress_reports_each_step_with_time_left_weighted_by_size():
     assert last.startswith("[2/2] large case: ") and "left" not in last
 
 
+def test_staleness_toy_reports_every_run():
+    from bench.staleness_toy import ToyConfig, run_grid
+
+    stream = io.StringIO()
+    tiny = ToyConfig(contexts=4, actions=6, batch=16, draws=2, steps=2)
+    grid = run_grid(range(2), tiny, progress=Progress([1] * 12, stream=stream))
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 12 == sum(len(runs) for runs in grid.values())
+    assert lines[0].startswith("[1/12] reinforce staleness 0 seed 0: ") and "left" in lines[0]
+    assert lines[-1].startswith("[12/12] sfc staleness 8 seed 1: ")
+
+
 def _fake_records(cases, subjects, gpu):
     """Plausible records for every case, phase and subject (the chart only reads them)."""
     records = []
