@@ -179,7 +179,7 @@ SUBJECT_STYLES = {"fused": ("#1f5fa8", "o"), "eager": ("#e07b1a", "s"), "compile
 # denser (and their labels smaller, down to a floor) instead of the figure taller.
 ROW_INCHES, MAX_ROWS_INCHES, FRAME_INCHES = 0.3, 13.0, 2.2
 LABEL_COLUMN_INCHES, METRIC_INCHES = 2.4, 3.3
-LABEL_POINTS = (5.0, 9.0)  # fmt: skip
+LABEL_POINTS = (5.0, 9.0)  # smallest and largest case-label font sizes
 
 
 def chart_phase(records) -> str:
@@ -201,7 +201,7 @@ def figure(records, gpu: bool, env: dict):
     metrics = GPU_METRICS if gpu else CPU_METRICS
     cases = {}
     for record in shown:
-        cases.setdefault(record["case"].op, dict.fromkeys([]))[record["case"]] = None
+        cases.setdefault(record["case"].op, {})[record["case"]] = None
     subjects = list(dict.fromkeys(r["subject"] for r in shown))
     rows = sum(len(op_cases) for op_cases in cases.values())
     rows_inches = min(MAX_ROWS_INCHES, ROW_INCHES * max(rows, 4 * len(cases)) + 0.5 * len(cases))
