@@ -3,16 +3,14 @@ tracebacks, help with defaults, a refusal before allocating more memory than the
 progress with an estimate of the time left, and a chart of bounded size that says what it shows."""
 
 import io
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from bench_package import ROOT, import_bench
+from bench_package import import_bench
 
 import_bench()
 from bench.__main__ import build_parser, parse_args  # noqa: E402
+from bench.__main__ import main as bench_main  # noqa: E402
 from bench.cases import CPU_GRID, GPU_GRID, Case, SegmentCase  # noqa: E402
 from bench.memory_budget import estimated_peak_bytes, oversized_message  # noqa: E402
 from bench.progress import Progress  # noqa: E402
@@ -92,12 +90,10 @@ def test_memory_estimate_bounds_the_largest_case_and_refuses_with_the_numbers():
 
 
 def test_oversized_cpu_run_refuses_before_allocating():
-    command = [sys.executable, "-m", "bench", "--device", "cpu", "-T", "1000000", "-V", "1000000"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
-    assert "python -m bench: error: case T=1000000 V=1000000" in done.stderr
-    assert "Traceback" not in done.stderr
+    # The README's GPU example (64.7 GB at peak) scaled up past any machine's RAM.
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["--device", "cpu", "-T", "1000000", "-V", "1000000", "--results-dir", "/nonexistent"])
+    assert str(exit_info.value.code).startswith("python -m bench: error: case T=1000000 V=1000000")
 
 
 def test_progress_reports_each_step_with_time_left_weighted_by_size():
@@ -114,12 +110,12 @@ def test_staleness_toy_reports_every_run():
     from bench.staleness_toy import ToyConfig, run_grid
 
     stream = io.StringIO()
-    tiny = ToyConfig(contexts=4, actions=6, batch=16, draws=2, steps=2)
-    grid = run_grid(range(2), tiny, progress=Progress([1] * 12, stream=stream))
+    tiny = ToyConfig(contexts=4, actions=6, batch=8, draws=2, steps=1)
+    grid = run_grid(range(1), tiny, progress=Progress([1] * 6, stream=stream))
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 12 == sum(len(runs) for runs in grid.values())
-    assert lines[0].startswith("[1/12] reinforce staleness 0 seed 0: ") and "left" in lines[0]
-    assert lines[-1].startswith("[12/12] sfc staleness 8 seed 1: ")
+    assert len(lines) == 6 == sum(len(runs) for runs in grid.values())
+    assert lines[0].startswith("[1/6] reinforce staleness 0 seed 0: ") and "left" in lines[0]
+    assert lines[-1].startswith("[6/6] sfc staleness 8 seed 0: ")
 
 
 def _fake_records(cases, subjects, gpu):
