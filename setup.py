@@ -3,6 +3,12 @@
 `kernels/` installs as `fusedrl.kernels` (not top-level `kernels`, which would shadow the PyPI
 package of that name that transformers probes for), `slime_ext/` as `fusedrl.slime_ext` and
 `sglang_plugin/` as `fusedrl.sglang_plugin`.
+
+triton is a requirement on Linux, where its wheels exist: a CUDA build of torch brings it anyway
+(pinned to the matching version, which `>=3.1` accepts), and a CPU-only torch does not, yet CPU
+tensors need it to run the kernels through the Triton interpreter. triton itself requires no torch,
+so it never replaces the torch already installed. Elsewhere the package runs its float64 eager
+reference on CPU.
 """
 
 from setuptools import setup
@@ -18,13 +24,13 @@ setup(
     name="fusedrl",
     version="0.1.0",
     description="Fused Triton kernels for policy-gradient losses of LLM RL, as a drop-in for slime",
+    license="Apache-2.0",
     python_requires=">=3.10",
     packages=list(SUBPACKAGES),
     package_dir=SUBPACKAGES,
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=["torch>=2.4", "numpy", 'triton>=3.1; platform_system == "Linux"'],
     extras_require={
         "test": [
-            "triton>=3.1",
             "megatron-core>=0.12",
             "pytest>=8",
             "pytest-timeout",
@@ -32,7 +38,7 @@ setup(
             "pytest-benchmark",
             "matplotlib",
         ],
-        "bench": ["triton>=3.1", "matplotlib", "pytest-benchmark"],
+        "bench": ["matplotlib", "pytest-benchmark"],
     },
     entry_points={
         "sglang.srt.plugins": [

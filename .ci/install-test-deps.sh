@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# Installs fusedrl and everything its tests need into the active Python environment, CPU only.
+# Installs fusedrl and everything its tests need into the active virtual environment, CPU only.
+#
+# It refuses to run outside a virtual environment: it replaces the environment's torch and installs
+# SGLang without its dependencies (`pip check` then reports them as missing), which would break a
+# training or serving environment it was run in by mistake.
 #
 # torch comes first and pinned: SGLang 0.5.23 pins torch 2.14.1 (a CUDA build that runs on CPU)
 # and its config package needs the matching torchvision. Everything after it is installed so that
@@ -7,6 +11,12 @@
 # requires CUDA-only packages), the rest against the torch already present.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if ! python -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
+    echo "install-test-deps.sh: refusing to install outside a virtual environment ($(python -c 'import sys; print(sys.prefix)')):" >&2
+    echo "it force-installs torch 2.14.1 and SGLang --no-deps. Make one first:" >&2
+    echo "  python3 -m venv .venv && source .venv/bin/activate && bash .ci/install-test-deps.sh" >&2
+    exit 2
+fi
 python -m pip install -q torch==2.14.1 torchvision==0.29.1
 python -m pip install -q -e "$here/..[test,bench]"
 python -m pip install -q --no-deps sglang==0.5.23

@@ -5,6 +5,7 @@ Options narrow or widen the case grid; with none, the default set runs (a few mi
 """
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -19,27 +20,83 @@ def _bool_choices(text):
     return {"on": (True,), "off": (False,), "both": (False, True)}[text]
 
 
-def parse_args(argv):
-    from .cases import DTYPES, OPS, PHASES
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be finite and > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help and default."""
+    from .cases import CPU_GRID, DTYPES, GPU_GRID, OPS, PHASES, SEGMENT_TOKENS
     from .subjects import SUBJECT_NAMES
 
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    def grid_default(axis):
+        cpu, gpu = (" ".join(map(str, getattr(grid, axis))) for grid in (CPU_GRID, GPU_GRID))
+        return f"default: {cpu} on CPU, {gpu} on GPU" if cpu != gpu else f"default: {cpu}"
+
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0],
+                                     epilog="Axes not named come from the default set (or, with --full, the whole grid). "
+                                            "Results: the table on stdout, progress on stderr, CSV and PNG in --results-dir.")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: cuda when torch sees a GPU (default)")
-    parser.add_argument("--full", action="store_true", help="the whole grid instead of the default set")
-    parser.add_argument("--tokens", "-T", type=int, nargs="+", help="T values")
-    parser.add_argument("--vocab", "-V", type=int, nargs="+", help="V/tp values (columns per rank)")
-    parser.add_argument("--dtype", nargs="+", choices=tuple(DTYPES), help="logits dtypes")
-    parser.add_argument("--ids-per-row", "-J", type=int, nargs="+", help="J values")
-    parser.add_argument("--entropy", choices=("on", "off", "both"), help="compute the entropy")
-    parser.add_argument("--temperature", type=float, default=1.0)
+                        help="auto: cuda when torch sees a GPU, else cpu, where the kernels run through the "
+                             "Triton interpreter (default: %(default)s)")
+    parser.add_argument("--full", action="store_true",
+                        help="the whole grid T x V x dtype x J x entropy instead of the default set (long; default: off)")
+    parser.add_argument("--tokens", "-T", type=_positive_int, nargs="+", metavar="T",
+                        help=f"tokens per micro-batch, >= 1 ({grid_default('tokens')}; "
+                             f"aggregation: {' '.join(map(str, SEGMENT_TOKENS))})")
+    parser.add_argument("--vocab", "-V", type=_positive_int, nargs="+", metavar="V",
+                        help=f"vocabulary columns per tensor-parallel rank, >= 1 ({grid_default('vocabs')})")
+    parser.add_argument("--dtype", nargs="+", choices=tuple(DTYPES), help=f"logits dtypes ({grid_default('dtypes')})")
+    parser.add_argument("--ids-per-row", "-J", type=_positive_int, nargs="+", metavar="J",
+                        help="ids per row, >= 1: the sampled token plus J - 1 centering draws "
+                             "(default: 1, and 9 at the largest fp32 shape)")
+    parser.add_argument("--entropy", choices=("on", "off", "both"),
+                        help="compute the entropy too (default: off, and on at the largest fp32 shape)")
+    parser.add_argument("--temperature", type=_positive_float, default=1.0, metavar="TEMP",
+                        help="sampling temperature, fused into the kernel; finite, > 0 (default: %(default)s)")
     parser.add_argument("--op", nargs="+", choices=OPS, default=list(OPS),
-                        help="token_stats: log-probs/entropy kernel; segment_sum: aggregation kernel")
-    parser.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES))
+                        help="token_stats: log-probs/entropy kernel; segment_sum: aggregation kernel "
+                             "(default: both)")
+    parser.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES),
+                        help="passes to measure (default: all three)")
     parser.add_argument("--subjects", nargs="+", choices=SUBJECT_NAMES, default=list(SUBJECT_NAMES),
-                        help="implementations to measure (fused is always included)")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS)
-    return parser.parse_args(argv)  # fmt: skip
+                        help="implementations to measure; fused is always included, peers that cannot run "
+                             "here are skipped with a note (default: all)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, metavar="DIR",
+                        help="where the CSV is appended and the PNG written (default: bench/results)")
+    return parser
+
+
+def parse_args(argv):
+    """The options, with what argparse cannot check (a GPU that is not there, a results path that
+    is a file) refused the same way: a usage error naming the option."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: cuda, but torch {torch.__version__} sees no GPU "
+                     "(torch.cuda.is_available() is False); use --device cpu or auto")
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            parser.error("argument --device: a GPU run times compiled kernels; unset TRITON_INTERPRET=1")
+    if args.results_dir.exists() and not args.results_dir.is_dir():
+        parser.error(f"argument --results-dir: {args.results_dir} exists and is not a directory")
+    return args
 
 
 def pick_device(choice: str) -> torch.device:
@@ -47,8 +104,6 @@ def pick_device(choice: str) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            raise SystemExit("TRITON_INTERPRET=1 is set: unset it to time compiled kernels on the GPU")
         return torch.device("cuda", torch.cuda.current_device())
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("triton was imported before TRITON_INTERPRET=1 could be set")
@@ -81,6 +136,14 @@ def select_cases(args, gpu: bool):
     return cases
 
 
+def _relative_cost(case) -> float:
+    """Roughly how long a case takes, for the progress estimate: its bytes, three times over with
+    the entropy or several ids (what the CPU default run shows: T=128 V=18992 takes 6 s plain,
+    18-20 s with J = 9 or the entropy)."""
+    heavier = getattr(case, "entropy", False) or getattr(case, "ids_per_row", 1) > 1
+    return case.floor_bytes("fwd+bwd") * (3 if heavier else 1)
+
+
 def main(argv=None):
     """Run the benchmark; returns the records (one per case, phase and subject)."""
     args = parse_args(argv)
@@ -88,19 +151,24 @@ def main(argv=None):
     gpu = device.type == "cuda"
     from . import report
     from .measure import measure_case
+    from .memory_budget import available_bytes, oversized_message
+    from .progress import Progress
     from .subjects import make_subjects
 
+    cases = select_cases(args, gpu)
+    refusal = oversized_message(cases, available_bytes(device), device.type)
+    if refusal:
+        raise SystemExit(f"python -m bench: error: {refusal}")
     names = ["fused"] + [name for name in args.subjects if name != "fused"]
     subjects, notes = make_subjects(names, device)
-    cases = select_cases(args, gpu)
     if not gpu and any(case.dtype != "fp32" for case in cases):
         notes.append("the Triton interpreter casts fp32 to bf16/fp16 by truncation (a GPU rounds to nearest), "
                      "which about doubles the fused kernels' low-precision gradient error on CPU")  # fmt: skip
+    progress = Progress(map(_relative_cost, cases))
     records = []
-    for number, case in enumerate(cases, 1):
-        started = time.perf_counter()
+    for case in cases:
         records += measure_case(case, subjects, device, phases=args.phase, timing=gpu)
-        print(f"[{number}/{len(cases)}] {case.label}: {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        progress.finished(case.label)
         if gpu:
             torch.cuda.empty_cache()
 
@@ -112,7 +180,7 @@ def main(argv=None):
     for note in notes:
         print(f"note: {note}")
     csv_path = report.append_csv(records, env, args.results_dir / f"bench_{kind}.csv")
-    png_path = report.plot(records, gpu, args.results_dir / f"bench_{kind}_{stamp}.png")
+    png_path = report.plot(records, gpu, env, args.results_dir / f"bench_{kind}_{stamp}.png")
     print(f"CSV: {csv_path} ({len(records)} rows appended)")
     print(f"PNG: {png_path}")
     return records

@@ -1,14 +1,18 @@
 """The run's outputs: one printed table, rows appended to a CSV, a PNG chart.
 
 Records are long-format (one per case, phase and subject); the table pivots them to one line per
-case and phase, showing the fused kernel's own figures and its ratios to every other subject.
+case and phase, showing the fused kernel's own figures and its ratios to every other subject. The
+chart shows one phase (forward + backward when measured) of every case: a row of panels per op, a
+column per metric, the implementations side by side, within a bounded figure size.
 """
 
 import csv
 import datetime
 import platform
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -131,32 +135,144 @@ def format_table(records, gpu: bool) -> str:
     return "\n".join(text)
 
 
-def plot(records, gpu: bool, path: Path) -> Path:
-    """Bars per case and phase, one per subject: time (GPU) or bytes moved over the floor (CPU)."""
+@dataclass(frozen=True)
+class Metric:
+    """One column of the chart: what a record shows there and how to read it."""
+
+    title: str
+    axis_label: str
+    value: Callable  # record -> float, or None where the record has no such figure
+    log: bool
+    reference: Optional[float] = None  # x of a dashed vertical line to read the values against
+
+
+def _bytes_over_floor(record):
+    return None if record["bytes_moved"] is None else record["bytes_moved"] / record["floor_bytes"]
+
+
+def _of_copy(record):
+    return None if record["time_ms"] is None else 100 * gbps(record) / record["copy_gbps"]
+
+
+EXTRA_MEMORY = Metric("extra memory", "peak allocation beyond the inputs, % of the input\n(less is better)",
+                      lambda r: 100 * r["peak_extra_bytes"] / r["input_bytes"], log=False)
+ACCURACY = Metric("accuracy", "relative error against float64 (log)\n(less is better; dashed: fp32 tolerance)",
+                  lambda r: r["error"], log=True, reference=1e-5)
+CPU_METRICS = (
+    Metric("memory traffic", "bytes moved / minimum bytes (log)\n(less is better; dashed: the floor)",
+           _bytes_over_floor, log=True, reference=1.0),
+    EXTRA_MEMORY,
+    ACCURACY,
+)
+GPU_METRICS = (
+    Metric("time", "median milliseconds (log)\n(less is better)", lambda r: r["time_ms"], log=True),
+    Metric("bandwidth", "minimum bytes / time, % of a device copy\n(more is better; dashed: copy speed)",
+           _of_copy, log=False, reference=100.0),
+    EXTRA_MEMORY,
+    ACCURACY,
+)
+PHASE_NAMES = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward + backward"}
+OP_TITLES = {"token_stats": "token statistics (token_stats)", "segment_sum": "aggregation\n(segment_sum)"}
+SUBJECT_STYLES = {"fused": ("#1f5fa8", "o"), "eager": ("#e07b1a", "s"), "compile": ("#3a9a3a", "^"),
+                  "liger": ("#8a4fb5", "D"), "megatron": ("#c0392b", "v")}
+# Figure geometry in inches: the plotting area grows with the cases up to a bound, then rows get
+# denser (and their labels smaller, down to a floor) instead of the figure taller.
+ROW_INCHES, MAX_ROWS_INCHES, FRAME_INCHES = 0.3, 13.0, 2.2
+LABEL_COLUMN_INCHES, METRIC_INCHES = 2.4, 3.3
+LABEL_POINTS = (5.0, 9.0)  # smallest and largest case-label font sizes
+
+
+def chart_phase(records) -> str:
+    """The phase the chart shows: a whole training step when it was measured."""
+    phases = list(dict.fromkeys(r["phase"] for r in records))
+    return "fwd+bwd" if "fwd+bwd" in phases else phases[0]
+
+
+def figure(records, gpu: bool, env: dict):
+    """The chart: a row of panels per op and a column per metric, cases down the side, one marker per
+    implementation; title, legend and the run's metadata (device, versions, commit, date, dtypes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metric = (lambda r: r["time_ms"]) if gpu else (lambda r: r["bytes_moved"] / r["floor_bytes"])
-    groups = list(dict.fromkeys((r["case"].label, r["phase"]) for r in records))
-    subjects = list(dict.fromkeys(r["subject"] for r in records))
-    values = {(r["case"].label, r["phase"], r["subject"]): metric(r) for r in records}
-    width = 0.8 / len(subjects)
-    figure, axes = plt.subplots(figsize=(max(8, 0.6 * len(groups)), 5))
-    for i, subject in enumerate(subjects):
-        xs = [g for g, key in enumerate(groups) if (*key, subject) in values]
-        ys = [values[(*groups[g], subject)] for g in xs]
-        axes.bar([x + i * width for x in xs], ys, width, label=subject)
-    axes.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
-    axes.set_xticklabels([f"{label}\n{phase}" for label, phase in groups], rotation=90, fontsize=7)
-    axes.set_yscale("log")
-    axes.set_ylabel("median ms" if gpu else "bytes moved / floor")
-    if not gpu:
-        axes.axhline(1.0, color="black", linewidth=0.8)
-    axes.legend()
-    figure.tight_layout()
+    phase = chart_phase(records)
+    shown = [r for r in records if r["phase"] == phase]
+    metrics = GPU_METRICS if gpu else CPU_METRICS
+    cases = {}
+    for record in shown:
+        cases.setdefault(record["case"].op, {})[record["case"]] = None
+    subjects = list(dict.fromkeys(r["subject"] for r in shown))
+    rows = sum(len(op_cases) for op_cases in cases.values())
+    rows_inches = min(MAX_ROWS_INCHES, ROW_INCHES * max(rows, 4 * len(cases)) + 0.5 * len(cases))
+    label_points = min(LABEL_POINTS[1], max(LABEL_POINTS[0], 0.6 * 72 * rows_inches / rows))
+    fig = plt.figure(figsize=(LABEL_COLUMN_INCHES + METRIC_INCHES * len(metrics), FRAME_INCHES + rows_inches),
+                     layout="constrained")  # fmt: skip
+    grid = fig.subplots(len(cases), len(metrics), squeeze=False, sharey="row",
+                        gridspec_kw={"height_ratios": [max(4, len(c) + 1) for c in cases.values()]})  # fmt: skip
+    for axes_row, (op, op_cases) in zip(grid, cases.items()):
+        _draw_op(axes_row, op, list(op_cases), shown, subjects, metrics, label_points)
+    for axes_row in grid:
+        _plain_ticks_on_narrow_log_axes(axes_row)
+    for axes, metric in zip(grid[0], metrics):
+        axes.set_title(metric.title, fontsize=11, fontweight="bold")
+    for axes, metric in zip(grid[-1], metrics):
+        axes.set_xlabel(metric.axis_label, fontsize=9)
+    handles = [plt.Line2D([], [], color=SUBJECT_STYLES[s][0], marker=SUBJECT_STYLES[s][1], linestyle="", label=s)
+               for s in subjects]  # fmt: skip
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(subjects), fontsize=10, frameon=False)
+    where = "GPU: CUDA-event timings" if gpu else "CPU: bytes counted in the Triton interpreter, no timings"
+    dtypes = " ".join(dict.fromkeys(r["case"].dtype for r in shown))
+    fig.suptitle(f"fusedrl fused kernels vs eager PyTorch and peers, {PHASE_NAMES[phase]} ({where})\n"
+                 f"{env['device']}  |  torch {env['torch']}, triton {env['triton']}  |  commit {env['commit']}  |  "
+                 f"{env['date']}  |  dtypes: {dtypes}", fontsize=11)  # fmt: skip
+    return fig
+
+
+def _plain_ticks_on_narrow_log_axes(axes_row):
+    """Log axes spanning less than two decades get plain ticks (1, 1.5, 2, 3 ...) instead of powers."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    for axes in axes_row:
+        low, high = axes.get_xlim()
+        if axes.get_xscale() == "log" and high / low < 100:
+            axes.xaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.0)))
+            axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+            axes.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _draw_op(axes_row, op, op_cases, records, subjects, metrics, label_points):
+    """One op's panels: case i on row i (top down), subjects side by side within the row."""
+    by_key = {(r["case"], r["subject"]): r for r in records}
+    offsets = {s: 0.5 * (i - (len(subjects) - 1) / 2) / max(1, len(subjects)) for i, s in enumerate(subjects)}
+    for column, (axes, metric) in enumerate(zip(axes_row, metrics)):
+        for subject in subjects:
+            points = [(metric.value(by_key[case, subject]), row + offsets[subject])
+                      for row, case in enumerate(op_cases) if (case, subject) in by_key]  # fmt: skip
+            points = [(x, y) for x, y in points if x is not None and (x > 0 or not metric.log)]
+            color, marker = SUBJECT_STYLES[subject]
+            axes.scatter([x for x, _ in points], [y for _, y in points], color=color, marker=marker, s=28, zorder=3)
+        if metric.log:
+            axes.set_xscale("log")
+        if metric.reference is not None:
+            axes.axvline(metric.reference, color="black", linewidth=0.8, linestyle="--", zorder=2)
+        axes.set_ylim(len(op_cases) - 0.5, -0.5)
+        axes.set_yticks(range(len(op_cases)))
+        axes.set_yticklabels([case.label for case in op_cases], fontsize=label_points)
+        axes.grid(axis="x", color="#dddddd", linewidth=0.6, zorder=0)
+        for row in range(0, len(op_cases), 2):
+            axes.axhspan(row - 0.5, row + 0.5, color="#f4f4f4", zorder=0)
+        axes.tick_params(axis="x", labelsize=8)
+        if column == 0:
+            axes.set_ylabel(OP_TITLES.get(op, op), fontsize=10)
+
+
+def plot(records, gpu: bool, env: dict, path: Path) -> Path:
+    """Write the chart of `records` to `path` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(records, gpu, env)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path

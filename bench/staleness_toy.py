@@ -105,13 +105,17 @@ def _loss(method, batch_logits, draws, advantages, age, config):
     return loss.mean(), scores.logp
 
 
-def run_grid(seeds, config: ToyConfig = ToyConfig()):
-    """{(method, staleness): [Curves per seed]} over METHODS x STALENESS."""
-    return {
-        (method, staleness): [run_toy(method, staleness, seed, config) for seed in seeds]
-        for method in METHODS
-        for staleness in STALENESS
-    }
+def run_grid(seeds, config: ToyConfig = ToyConfig(), progress=None):
+    """{(method, staleness): [Curves per seed]} over METHODS x STALENESS; `progress` (a
+    `bench.progress.Progress` over the runs) hears of every finished run."""
+    grid = {}
+    for method in METHODS:
+        for staleness in STALENESS:
+            for seed in seeds:
+                grid.setdefault((method, staleness), []).append(run_toy(method, staleness, seed, config))
+                if progress is not None:
+                    progress.finished(f"{method} staleness {staleness} seed {seed}")
+    return grid
 
 
 def plot(grid, path: str) -> None:
@@ -143,7 +147,10 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds (0..N-1)")
     parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "staleness_toy.png"))
     args = parser.parse_args(argv)
-    grid = run_grid(range(args.seeds))
+    from .progress import Progress
+
+    seeds = range(args.seeds)
+    grid = run_grid(seeds, progress=Progress([1] * (len(METHODS) * len(STALENESS) * len(seeds))))
     for (method, staleness), runs in grid.items():
         finals = ", ".join(f"{run.reward[-1]:.3f}" for run in runs)
         peak_drift = max(max(abs(d) for d in run.drift) for run in runs)

@@ -7,8 +7,11 @@ rows full of NaN that must never be read.
 
 import pytest
 import torch
-from bench.eager import eager_token_stats as eager_same_dtype
+from bench_package import import_bench
 from numerics import rel_err
+
+import_bench()
+from bench.eager import eager_token_stats as eager_same_dtype  # noqa: E402
 
 from fusedrl.kernels import token_stats, token_stats_reference
 
