@@ -11,14 +11,26 @@ so it never replaces the torch already installed. Elsewhere the package runs its
 reference on CPU.
 """
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
-SUBPACKAGES = {
+CODE_FOLDERS = {
     "fusedrl.kernels": "kernels",
     "fusedrl.slime_ext": "slime_ext",
-    "fusedrl.slime_ext.losses": "slime_ext/losses",
     "fusedrl.sglang_plugin": "sglang_plugin",
 }
+
+
+def subpackages(code_folders):
+    """{import name: folder} for every package under the code folders, nested ones included."""
+    mapping = {}
+    for name, folder in code_folders.items():
+        mapping[name] = folder
+        for nested in find_packages(folder):
+            mapping[f"{name}.{nested}"] = f"{folder}/{nested.replace('.', '/')}"
+    return mapping
+
+
+SUBPACKAGES = subpackages(CODE_FOLDERS)
 
 setup(
     name="fusedrl",

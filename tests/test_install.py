@@ -5,6 +5,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -41,3 +42,18 @@ def test_install_script_refuses_outside_a_virtual_environment(tmp_path):
     assert "refusing to install outside a virtual environment" in done.stderr
     assert "python3 -m venv" in done.stderr
     assert "pip" not in done.stdout
+
+
+def test_a_regular_install_ships_every_subpackage(tmp_path):
+    # An editable install finds nested folders through the parent's path; a wheel holds only the
+    # packages setup.py lists, so a folder missing there would import here and fail for users.
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True, timeout=300,
+    )
+    (wheel,) = tmp_path.glob("fusedrl-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {Path(name).parent for name in archive.namelist() if name.endswith("__init__.py")}
+    for folder in ("kernels", "slime_ext", "sglang_plugin"):
+        for init in (ROOT / folder).rglob("__init__.py"):
+            assert Path("fusedrl") / init.parent.relative_to(ROOT) in shipped, init
