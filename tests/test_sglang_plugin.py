@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from sglang.srt.layers.logprob_processor import OutputLogprobProcessor, get_top_logprobs
-import sglang.srt.layers.sampler as sampler_module
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang.srt.sampling.sampling_params import TOP_K_ALL
