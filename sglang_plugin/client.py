@@ -3,8 +3,10 @@
 The request must carry `return_logprob: true` and `top_logprobs_num: K` and go to a server
 running the plugin with AGENTCORE_SGLANG_TOKEN_SAMPLES=1. Each output position's
 `output_top_logprobs` entry is then the sampled token followed by K draws, each a
-`[logprob, token_id, text_or_null]` triple. Anything else (a server without the plugin returns K
-top tokens, not 1 + K entries) is rejected rather than misread as draws.
+`[logprob, token_id, text_or_null]` triple, or, for a request that sets SGLang's
+`return_flat_raw_output_top_logprobs`, one row of the flat `output_top_logprobs_*` arrays (JSON
+lists or, with `return_flat_raw_top_logprobs_b64`, base64). Anything else (a server without the
+plugin returns K top tokens, not 1 + K entries) is rejected rather than misread as draws.
 
     samples = parse_token_samples(response["meta_info"], num_samples=K)
     samples.draw_ids        # [resp_len, K] long
@@ -12,10 +14,15 @@ top tokens, not 1 + K entries) is rejected rather than misread as draws.
 
 from __future__ import annotations
 
+import base64
 import math
 from typing import Any, List, Mapping, NamedTuple, Optional
 
+import numpy as np
 import torch
+
+_FLAT = "output_top_logprobs"
+_FLAT_DTYPES = {"val": ("float32", "<f4"), "idx": ("int32", "<i4")}
 
 
 class TokenSamples(NamedTuple):
@@ -31,14 +38,19 @@ class TokenSamples(NamedTuple):
 def parse_token_samples(meta_info: Mapping[str, Any], num_samples: int) -> TokenSamples:
     """Parse and check `meta_info` of one `/generate` response served with K = num_samples.
 
-    Raises ValueError when num_samples is not a positive int, when meta_info lacks the logprob
-    fields, or naming the first position whose top-logprob entry does not hold exactly
-    1 + num_samples well-formed triples starting with the sampled token.
+    Reads the nested `output_top_logprobs` or, when present, SGLang's flat format. Raises
+    ValueError when num_samples is not a positive int, when meta_info lacks the logprob fields
+    or its flat arrays are malformed (naming the field), or naming the first position whose
+    top-logprob entry does not hold exactly 1 + num_samples well-formed entries starting with
+    the sampled token.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
     sampled = _required_list(meta_info, "output_token_logprobs")
-    tops = _required_list(meta_info, "output_top_logprobs")
+    if f"{_FLAT}_shape" in meta_info:
+        tops = _flat_positions(meta_info)
+    else:
+        tops = _required_list(meta_info, "output_top_logprobs")
     if len(tops) != len(sampled):
         raise ValueError(
             f"meta_info has {len(sampled)} output_token_logprobs but {len(tops)} "
@@ -82,6 +94,57 @@ def _required_list(meta_info: Mapping[str, Any], key: str) -> list:
             "return_logprob=true and top_logprobs_num=K)"
         )
     return value
+
+
+def _flat_positions(meta_info: Mapping[str, Any]) -> list:
+    """SGLang's flat output top logprobs as per-position [[logprob, token_id], ...] lists.
+
+    Rows cover positions null_prefix onwards, k entries each; positions before null_prefix
+    carry no entries (and so fail the per-position check naming them)."""
+    shape = meta_info[f"{_FLAT}_shape"]
+    null_prefix = meta_info.get(f"{_FLAT}_null_prefix", 0)
+    valid_shape = (
+        isinstance(shape, list)
+        and len(shape) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+    )
+    if not valid_shape or not isinstance(null_prefix, int) or null_prefix < 0:
+        raise ValueError(
+            f"meta_info[{_FLAT + '_shape'!r}]={shape!r} / [{_FLAT + '_null_prefix'!r}]="
+            f"{null_prefix!r}: expected [rows, k] of non-negative ints and an int >= 0"
+        )
+    rows, k = shape
+    values = _flat_array(meta_info, "val", rows * k)
+    ids = _flat_array(meta_info, "idx", rows * k)
+    return [[] for _ in range(null_prefix)] + [
+        [[values[r * k + j], ids[r * k + j]] for j in range(k)] for r in range(rows)
+    ]
+
+
+def _flat_array(meta_info: Mapping[str, Any], kind: str, size: int) -> list:
+    """One flat array (`val` or `idx`) as a Python list of `size` numbers, from its JSON list
+    or its base64 encoding."""
+    plain, encoded = f"{_FLAT}_{kind}_flat", f"{_FLAT}_{kind}_flat_b64"
+    if encoded in meta_info:
+        dtype_name, numpy_dtype = _FLAT_DTYPES[kind]
+        marker = meta_info.get(f"{encoded}_dtype", dtype_name)
+        if marker != dtype_name:
+            raise ValueError(f"meta_info[{encoded + '_dtype'!r}]={marker!r}, expected {dtype_name!r}")
+        try:
+            raw = base64.b64decode(meta_info[encoded], validate=True)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"meta_info[{encoded!r}] is not base64: {error}") from None
+        if len(raw) != size * 4:
+            raise ValueError(f"meta_info[{encoded!r}] holds {len(raw)} bytes, expected {size * 4}")
+        return np.frombuffer(raw, dtype=numpy_dtype).tolist()
+    values = meta_info.get(plain)
+    if not isinstance(values, list) or len(values) != size:
+        got = len(values) if isinstance(values, list) else type(values).__name__
+        raise ValueError(
+            f"meta_info[{plain!r}] must be a list of {size} numbers (the flat top logprobs' "
+            f"shape), got {got}"
+        )
+    return values
 
 
 def _position_entries(entries: Any, position: int, num_samples: int) -> List[tuple]:

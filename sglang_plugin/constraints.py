@@ -2,8 +2,9 @@
 
 The K draws come from the untruncated, temperature-scaled distribution SGLang hands its logprob
 step. They match the distribution the sampled token came from only when nothing truncated that
-distribution: top_k unset (-1), top_p = 1, min_p = 0, and a temperature above zero (SGLang turns
-temperature 0 into top_k = 1, so greedy decoding shows up as top_k = 1 below).
+distribution: top_k unset (-1) or at least the vocabulary size, top_p = 1, min_p = 0, and a
+temperature above zero (SGLang turns temperature 0 into top_k = 1, so greedy decoding shows up as
+top_k = 1 below).
 """
 
 from __future__ import annotations
@@ -22,21 +23,40 @@ _MODE = (
 )
 
 
-def truncation_problem(top_k: int, top_p: float, min_p: float) -> Optional[str]:
-    """None when (top_k, top_p, min_p), as normalised by SGLang, leave the distribution whole;
+def truncation_problem(
+    top_k: int, top_p: float, min_p: float, vocab_size: Optional[int] = None
+) -> Optional[str]:
+    """None when (top_k, top_p, min_p), as normalised by SGLang, leave the distribution whole
+    over a vocabulary of `vocab_size` tokens (unknown: only top_k = -1 keeps it whole);
     otherwise a sentence naming the offending parameter, its value and the value to use."""
     if top_k == 1:
         return (
             "top_k=1 (greedy decoding: SGLang turns temperature=0 into top_k=1) samples no "
             "distribution; use a temperature > 0 and top_k=-1"
         )
-    if top_k != TOP_K_ALL:
+    keeps_every_token = top_k == TOP_K_ALL or (vocab_size is not None and top_k >= vocab_size)
+    if not keeps_every_token:
         return f"top_k={top_k} truncates the sampling distribution; use top_k=-1"
     if top_p < 1.0:
         return f"top_p={top_p:.7g} truncates the sampling distribution; use top_p=1.0"
     if min_p > 0.0:
         return f"min_p={min_p:.7g} truncates the sampling distribution; use min_p=0.0"
     return None
+
+
+def request_problem(sampling_params, top_logprobs_num, vocab_size: Optional[int]) -> Optional[str]:
+    """The refusal for one request (SGLang-normalised `sampling_params`), None to serve it.
+
+    Any top_logprobs_num > 0 counts, whether or not the request returns logprobs: SGLang puts
+    every request's top_logprobs_num into the batch as soon as one request in it returns
+    logprobs, so the request's row is asked for draws either way."""
+    num = top_logprobs_num or 0
+    if num <= 0:
+        return None
+    problem = truncation_problem(
+        sampling_params.top_k, sampling_params.top_p, sampling_params.min_p, vocab_size
+    )
+    return None if problem is None else request_refusal(problem, num)
 
 
 def request_refusal(problem: str, top_logprobs_num: int) -> str:

@@ -1,16 +1,18 @@
-"""The hook bodies the plugin registers in SGLang's HookRegistry.
+"""The sampler-side hook bodies the plugin registers in SGLang's HookRegistry.
 
-- `sampler_forward_hook` (AROUND `Sampler.forward`): refuses a batch row that asks for samples
-  under truncated or greedy sampling, and exposes the batch's sampling info and positions to
-  the draw hooks below, which SGLang calls from inside `Sampler.forward` without them.
+- `sampler_forward_hook` (AROUND `Sampler.forward`): decides which batch rows get draws and
+  exposes that, with the batch's sampling info and positions, to the draw hooks below, which
+  SGLang calls from inside `Sampler.forward` without them.
 - `compute_logprobs_hook` (AROUND `OutputLogprobProcessor.compute_logprobs`, sglang >= 0.5.16)
   and `attach_logprobs_hook` (AROUND `Sampler._attach_logprobs_to_output`, 0.5.12 - 0.5.15):
-  let SGLang do everything but the top-K, then fill the top-logprob slots with the sampled token
-  and K draws (`draws.draw_token_samples`).
-- `admission_hook` (AFTER `TokenizerManager._create_tokenized_object`): the per-request error
-  path; its ValueError becomes SGLang's HTTP 400 `invalid_request_error` with our message.
-- `refuse_server_config` (AFTER `ServerArgs.check_server_args`): stops the server at start-up
-  under settings the mode cannot serve (speculative decoding, watermarking, original logprobs).
+  let SGLang do everything but the top-K of the draw rows, then fill their top-logprob slots
+  with the sampled token and K draws (`draws.draw_token_samples`).
+
+These run inside the scheduler's event loop, where any exception kills the server. So they
+never raise: a row that asks for samples its sampling cannot back (refused at admission, so
+only reachable by a route that skips it) keeps SGLang's plain top-K, which the client helper
+rejects (K entries, not 1 + K), and a failure of the plugin's own code falls back to SGLang's
+untouched result. Both are logged once per process and kind.
 """
 
 from __future__ import annotations
@@ -18,16 +20,25 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 import threading
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Dict, FrozenSet, NamedTuple, Optional, Sequence
 
 import torch
 
-from .constraints import request_refusal, server_refusal, truncation_problem
+from .constraints import request_refusal, truncation_problem
 from .draws import draw_token_samples
 
 logger = logging.getLogger(__name__)
+
+_logged_once = set()
+
+
+def _log_once(kind: str, message: str, *args, exc_info: bool = False) -> None:
+    if kind in _logged_once:
+        logger.debug(message, *args, exc_info=exc_info)
+        return
+    _logged_once.add(kind)
+    logger.error(message + " (logged once per process)", *args, exc_info=exc_info)
 
 
 class _BatchContext(NamedTuple):
@@ -35,48 +46,71 @@ class _BatchContext(NamedTuple):
 
     sampling_info: object
     positions: Optional[torch.Tensor]
+    draw_rows: FrozenSet[int]  # rows that asked for samples their sampling backs
 
 
 _current = threading.local()
 
 
-def _batch_context() -> Optional[_BatchContext]:
-    return getattr(_current, "batch", None)
-
-
 def sampler_forward_hook(original, *args, **kwargs):
-    call = _bind(original, args, kwargs).arguments
-    if call["return_logprob"]:
-        reject_unfaithful_rows(
-            call["sampling_info"], call["top_logprobs_nums"], call.get("logprob_logits")
+    try:
+        context = _batch_context(original, args, kwargs)
+    except Exception:
+        _log_once(
+            "context",
+            "fusedrl token samples: could not read the batch; this batch keeps SGLang's top-K",
+            exc_info=True,
         )
-    _current.batch = _BatchContext(call["sampling_info"], call["positions"])
+        context = None
+    _current.batch = context
     try:
         return original(*args, **kwargs)
     finally:
         _current.batch = None
 
 
-def reject_unfaithful_rows(
-    sampling_info, top_logprobs_nums: Sequence[int], logprob_logits: Optional[torch.Tensor]
-) -> None:
-    """Raise ValueError naming the first batch row that asks for samples its sampling cannot
-    back. Reads per-row parameters off the device only when a batch-wide flag says some row
+def _batch_context(original, args, kwargs) -> Optional[_BatchContext]:
+    call = _bind(original, args, kwargs).arguments
+    if not call["return_logprob"]:
+        return None
+    nums = call["top_logprobs_nums"]
+    vocab_size = call["logits_output"].next_token_logits.shape[-1]
+    refused = unfaithful_rows(call["sampling_info"], nums, call.get("logprob_logits"), vocab_size)
+    for row, problem in refused.items():
+        _log_once(
+            "unfaithful",
+            "fusedrl token samples: batch row %d returns SGLang's top-K instead of draws: %s",
+            row,
+            request_refusal(problem, nums[row]),
+        )
+    draw_rows = frozenset(i for i, k in enumerate(nums) if k > 0 and i not in refused)
+    return _BatchContext(call["sampling_info"], call["positions"], draw_rows)
+
+
+def unfaithful_rows(
+    sampling_info,
+    top_logprobs_nums: Sequence[int],
+    logprob_logits: Optional[torch.Tensor],
+    vocab_size: Optional[int] = None,
+) -> Dict[int, str]:
+    """{row: problem} for the batch rows that ask for samples their sampling cannot back.
+
+    Reads per-row parameters off the device only when a batch-wide flag says some row
     truncates, so the common untruncated batch costs no synchronisation."""
     rows = [i for i, k in enumerate(top_logprobs_nums) if k > 0]
     if not rows:
-        return
+        return {}
     if logprob_logits is not None:
         problem = "watermarked sampling (its logprobs describe the pre-watermark logits)"
-        raise _row_refusal(rows[0], problem, top_logprobs_nums)
+        return dict.fromkeys(rows, problem)
     if sampling_info.is_all_greedy:
-        raise _row_refusal(rows[0], truncation_problem(1, 1.0, 0.0), top_logprobs_nums)
+        return dict.fromkeys(rows, truncation_problem(1, 1.0, 0.0))
     if not (
         sampling_info.need_top_k_sampling
         or sampling_info.need_top_p_sampling
         or sampling_info.need_min_p_sampling
     ):
-        return
+        return {}
     index = torch.tensor(rows, dtype=torch.long, device=sampling_info.top_ks.device)
     per_row = zip(
         rows,
@@ -84,37 +118,64 @@ def reject_unfaithful_rows(
         sampling_info.top_ps[index].tolist(),
         sampling_info.min_ps[index].tolist(),
     )
-    for row, top_k, top_p, min_p in per_row:
-        problem = truncation_problem(top_k, top_p, min_p)
-        if problem is not None:
-            raise _row_refusal(row, problem, top_logprobs_nums)
-
-
-def _row_refusal(row: int, problem: str, top_logprobs_nums: Sequence[int]) -> ValueError:
-    return ValueError(f"batch row {row}: " + request_refusal(problem, top_logprobs_nums[row]))
+    problems = {
+        row: truncation_problem(top_k, top_p, min_p, vocab_size)
+        for row, top_k, top_p, min_p in per_row
+    }
+    return {row: problem for row, problem in problems.items() if problem is not None}
 
 
 def compute_logprobs_hook(original, *args, **kwargs):
-    call = _bind(original, args, kwargs)
-    context = _context_for(call.arguments["top_logprobs_nums"])
-    if context is None:
+    """AROUND OutputLogprobProcessor.compute_logprobs: top-K slots of draw rows become draws."""
+    prepared = _prepare_draw_call(original, args, kwargs)
+    if prepared is None:
         return original(*args, **kwargs)
-    result = _call_without_top_k(original, call)
-    result.top_logprobs_val, result.top_logprobs_idx = _draw(context, call.arguments)
+    call, context = prepared
+    result = _call_for_plain_rows(original, call, context.draw_rows)
+    drawn = _draw_or_none(context, call.arguments)
+    if drawn is None:
+        return original(*args, **kwargs)
+    result.top_logprobs_val, result.top_logprobs_idx = _merge(
+        result.top_logprobs_val, result.top_logprobs_idx, drawn, context.draw_rows
+    )
     return result
 
 
 def attach_logprobs_hook(original, *args, **kwargs):
-    call = _bind(original, args, kwargs)
-    context = _context_for(call.arguments["top_logprobs_nums"])
-    if context is None:
+    """AROUND Sampler._attach_logprobs_to_output (0.5.12 - 0.5.15), the same for that shape."""
+    prepared = _prepare_draw_call(original, args, kwargs)
+    if prepared is None:
         return original(*args, **kwargs)
-    _call_without_top_k(original, call)
+    call, context = prepared
+    _call_for_plain_rows(original, call, context.draw_rows)
+    drawn = _draw_or_none(context, call.arguments)
+    if drawn is None:
+        return original(*args, **kwargs)
     output = call.arguments["logits_output"]
-    output.next_token_top_logprobs_val, output.next_token_top_logprobs_idx = _draw(
-        context, call.arguments
+    output.next_token_top_logprobs_val, output.next_token_top_logprobs_idx = _merge(
+        getattr(output, "next_token_top_logprobs_val", None),
+        getattr(output, "next_token_top_logprobs_idx", None),
+        drawn,
+        context.draw_rows,
     )
     return None
+
+
+def _prepare_draw_call(original, args, kwargs):
+    """(bound call, batch context) when some row of this call gets draws, else None."""
+    try:
+        call = _bind(original, args, kwargs)
+        context = _context_for(call.arguments["top_logprobs_nums"])
+    except Exception:
+        _log_once(
+            "bind",
+            "fusedrl token samples: unexpected logprob call; SGLang's top-K kept",
+            exc_info=True,
+        )
+        return None
+    if context is None or not context.draw_rows:
+        return None
+    return call, context
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,10 +188,10 @@ def _bind(original, args, kwargs) -> inspect.BoundArguments:
     return _signature(original).bind(*args, **kwargs)
 
 
-def _call_without_top_k(original, call: inspect.BoundArguments):
-    """SGLang's own logprob step with every row's top-K turned off (no top-k pass)."""
+def _call_for_plain_rows(original, call: inspect.BoundArguments, draw_rows: FrozenSet[int]):
+    """SGLang's own logprob step with the top-K of the draw rows turned off."""
     nums = call.arguments["top_logprobs_nums"]
-    call.arguments["top_logprobs_nums"] = [0] * len(nums)
+    call.arguments["top_logprobs_nums"] = [0 if i in draw_rows else k for i, k in enumerate(nums)]
     try:
         return original(*call.args, **call.kwargs)
     finally:
@@ -144,71 +205,45 @@ def _context_for(top_logprobs_nums: Sequence[int]) -> Optional[_BatchContext]:
     it keeps the top-K (K entries, which the client helper rejects) and says so in the log."""
     if not any(k > 0 for k in top_logprobs_nums):
         return None
-    context = _batch_context()
+    context = getattr(_current, "batch", None)
     if context is None:
-        logger.warning(
+        _log_once(
+            "outside",
             "fusedrl token samples: top logprobs requested outside Sampler.forward; "
-            "returning SGLang's top-K unchanged for this call."
+            "returning SGLang's top-K unchanged for this call",
         )
     return context
 
 
-def _draw(context: _BatchContext, arguments):
+def _draw_or_none(context: _BatchContext, arguments):
+    """(values, ids) per row from `draws.draw_token_samples`, None if drawing failed."""
+    nums = [k if i in context.draw_rows else 0 for i, k in enumerate(arguments["top_logprobs_nums"])]
     seeds = context.sampling_info.sampling_seed
-    return draw_token_samples(
-        arguments["logprobs"],
-        arguments["batch_next_token_ids"],
-        arguments["top_logprobs_nums"],
-        seeds=seeds,
-        positions=context.positions if seeds is not None else None,
-        # Some 0.5.1x releases hand _attach_logprobs_to_output probabilities plus this flag.
-        logprobs_are_probs=bool(arguments.get("logprobs_are_probs", False)),
-    )
-
-
-def admission_hook(tokenized, *args, **kwargs) -> None:
-    """Reject a generate request with top_logprobs_num > 0 whose (SGLang-normalised) sampling
-    parameters truncate the distribution, before it reaches the scheduler."""
-    top_logprobs_num = getattr(tokenized, "top_logprobs_num", 0) or 0
-    if not getattr(tokenized, "return_logprob", False) or top_logprobs_num <= 0:
+    try:
+        return draw_token_samples(
+            arguments["logprobs"],
+            arguments["batch_next_token_ids"],
+            nums,
+            seeds=seeds,
+            positions=context.positions if seeds is not None else None,
+            # Some 0.5.1x releases hand _attach_logprobs_to_output probabilities plus this flag.
+            logprobs_are_probs=bool(arguments.get("logprobs_are_probs", False)),
+        )
+    except Exception:
+        _log_once(
+            "draw",
+            "fusedrl token samples: drawing failed; this batch keeps SGLang's top-K",
+            exc_info=True,
+        )
         return None
-    params = tokenized.sampling_params
-    problem = truncation_problem(params.top_k, params.top_p, params.min_p)
-    if problem is not None:
-        raise ValueError(request_refusal(problem, top_logprobs_num))
-    return None
 
 
-def refuse_server_config(result, server_args, *args, load_problems: Sequence[str] = (), **kwargs):
-    """Raise ValueError listing every reason this server cannot serve true draws."""
-    problems = list(load_problems) + server_problems(server_args)
-    if problems:
-        raise ValueError(server_refusal("; ".join(problems)))
-    return None
-
-
-def server_problems(server_args) -> List[str]:
-    """Server settings under which the draws would not match the sampled tokens."""
-    problems = []
-    algorithm = getattr(server_args, "speculative_algorithm", None)
-    if algorithm is not None and str(algorithm).upper() != "NONE":
-        problems.append(
-            f"speculative decoding (speculative_algorithm={algorithm}) samples tokens outside "
-            "the hooked sampler"
-        )
-    if getattr(server_args, "enable_watermark", False):
-        problems.append(
-            "watermarking (enable_watermark) samples from watermarked logits while the "
-            "logprobs describe the pre-watermark ones"
-        )
-    problem = original_logprob_problem()
-    if problem is not None:
-        problems.append(problem)
-    return problems
-
-
-def original_logprob_problem() -> Optional[str]:
-    """SGLANG_RETURN_ORIGINAL_LOGPROB hands the logprob step pre-temperature values."""
-    if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").strip().lower() in ("1", "true"):
-        return "SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes the logprobs untempered"
-    return None
+def _merge(plain_values, plain_ids, drawn, draw_rows: FrozenSet[int]):
+    """Per-row top-logprob lists: the draws on draw rows, SGLang's top-K (if any) elsewhere."""
+    drawn_values, drawn_ids = drawn
+    if plain_values is None:
+        return drawn_values, drawn_ids
+    values, ids = list(plain_values), list(plain_ids)
+    for row in draw_rows:
+        values[row], ids[row] = drawn_values[row], drawn_ids[row]
+    return values, ids

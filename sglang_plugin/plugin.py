@@ -3,11 +3,12 @@
 SGLang's `load_plugins()` calls `register()` early in each of its processes and then applies the
 hooks registered here. With AGENTCORE_SGLANG_TOKEN_SAMPLES unset, `register()` registers nothing
 and SGLang runs untouched. With it set to 1, it picks the hook target for the installed SGLang,
-logs which one it patched (or why it could not), and registers the hooks of `hooks.py`.
+logs which one it patched (or why it could not), and registers the door hooks of
+`admission.py`, the sampler hooks of `hooks.py` and the start-up checks of `startup.py`.
 
 `load_plugins()` only logs exceptions raised here and carries on, so a configuration the mode
-cannot serve is refused through the `ServerArgs.check_server_args` hook, which SGLang runs at
-start-up and does not swallow.
+cannot serve, or a hook that did not land, is refused through the start-up checks, which run
+from hooks SGLang does not swallow.
 """
 
 from __future__ import annotations
@@ -18,15 +19,10 @@ import os
 from importlib import metadata
 from typing import Callable, NamedTuple, Optional
 
+from .admission import scheduler_admission_hook, tokenizer_admission_hook
 from .constraints import ENV_VAR
-from .hooks import (
-    admission_hook,
-    attach_logprobs_hook,
-    compute_logprobs_hook,
-    original_logprob_problem,
-    refuse_server_config,
-    sampler_forward_hook,
-)
+from .hooks import attach_logprobs_hook, compute_logprobs_hook, sampler_forward_hook
+from .startup import original_logprob_problem, refuse_missing_hooks, refuse_server_config
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +32,8 @@ COMPUTE_LOGPROBS_TARGET = (
 ATTACH_LOGPROBS_TARGET = "sglang.srt.layers.sampler.Sampler._attach_logprobs_to_output"
 SAMPLER_FORWARD_TARGET = "sglang.srt.layers.sampler.Sampler.forward"
 ADMISSION_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
+SCHEDULER_ADMISSION_TARGET = "sglang.srt.managers.utils.validate_input_length"
+SCHEDULER_INIT_TARGET = "sglang.srt.managers.scheduler.Scheduler.__init__"
 SERVER_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.check_server_args"
 
 
@@ -73,9 +71,9 @@ def register() -> None:
     if problem is not None:
         problems.append(problem)
 
-    refusal = functools.partial(refuse_server_config, load_problems=tuple(problems))
-    HookRegistry.register(SERVER_ARGS_TARGET, refusal, HookType.AFTER)
     if problems:
+        refusal = functools.partial(refuse_server_config, tuple(problems), ())
+        HookRegistry.register(SERVER_ARGS_TARGET, refusal, HookType.AFTER)
         logger.error(
             "fusedrl token samples NOT enabled (sglang %s): %s. SGLang's sampler is left "
             "untouched and server start-up will be refused.",
@@ -84,14 +82,28 @@ def register() -> None:
         )
         return
 
-    HookRegistry.register(ADMISSION_TARGET, admission_hook, HookType.AFTER)
+    # Every scheduler process needs these; the main process needs all of them.
+    scheduler_targets = (SCHEDULER_ADMISSION_TARGET, SAMPLER_FORWARD_TARGET, target.path)
+    all_targets = scheduler_targets + (ADMISSION_TARGET, SCHEDULER_INIT_TARGET)
+    HookRegistry.register(
+        SERVER_ARGS_TARGET,
+        functools.partial(refuse_server_config, (), all_targets),
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        SCHEDULER_INIT_TARGET,
+        functools.partial(refuse_missing_hooks, scheduler_targets),
+        HookType.BEFORE,
+    )
+    HookRegistry.register(ADMISSION_TARGET, tokenizer_admission_hook, HookType.AFTER)
+    HookRegistry.register(SCHEDULER_ADMISSION_TARGET, scheduler_admission_hook, HookType.AFTER)
     HookRegistry.register(SAMPLER_FORWARD_TARGET, sampler_forward_hook, HookType.AROUND)
     HookRegistry.register(target.path, target.hook, HookType.AROUND)
     logger.info(
         "fusedrl token samples enabled (sglang %s): patching %s (target for sglang %s); "
         "top_logprobs_num=K now returns the sampled token plus K draws for every request; "
-        "truncated or greedy sampling with top logprobs is refused, and so is speculative "
-        "decoding at start-up.",
+        "requests with top_logprobs_num > 0 and truncated or greedy sampling are refused, and "
+        "so is speculative decoding at start-up.",
         version,
         target.path,
         target.versions,

@@ -1,16 +1,22 @@
-"""Drives SGLang's real sampler on CPU for the plugin tests.
+"""Drives SGLang's real sampler, request and batch objects on CPU for the plugin tests.
 
 `Sampler.__new__` plus the attributes its `__init__` sets stands in for the distributed runtime
 that `__init__` needs; a namespace carries the `SamplingBatchInfo` fields `Sampler.forward`
-reads. `hooks_enabled` registers the plugin through SGLang's HookRegistry, applies it, and puts
-every patched attribute back afterwards.
+reads, or `batch_sampling_info` builds the real one from real `Req`s. `publish_cpu_runtime`
+publishes a CPU `ServerArgs` as SGLang's process config (sampling backend "pytorch"), which
+`SamplingBatchInfo`, truncated sampling and the tokenizer manager read. `hooks_enabled`
+registers the plugin through SGLang's HookRegistry, applies it, and puts every patched
+attribute back afterwards.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import pkgutil
+import sys
+from array import array
 from types import SimpleNamespace
 from typing import List, Optional, Sequence
 
@@ -68,11 +74,20 @@ def sampling_info(
     )
 
 
-def run_sampler(logits: torch.Tensor, info, top_logprobs_nums: List[int]):
+def run_sampler(
+    logits: torch.Tensor,
+    info,
+    top_logprobs_nums: List[int],
+    positions: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+):
     """SGLang's Sampler.forward with return_logprob: (sampled ids, LogitsProcessorOutput)."""
     output = LogitsProcessorOutput(next_token_logits=logits.clone())
-    positions = torch.arange(logits.shape[0], dtype=torch.long)
-    next_ids = make_sampler()(
+    if positions is None:
+        positions = torch.arange(logits.shape[0], dtype=torch.long)
+    sampler = make_sampler()
+    sampler.enable_deterministic = deterministic
+    next_ids = sampler(
         output, info, True, list(top_logprobs_nums), [None] * logits.shape[0], positions
     )
     return next_ids, output
@@ -108,7 +123,7 @@ def hooks_enabled(monkeypatch, env_value: Optional[str] = "1"):
         yield
     finally:
         for (owner, name), value in saved.items():
-            setattr(owner, name, value)
+            _restore(owner, name, value)
         HookRegistry.reset()
 
 
@@ -116,12 +131,79 @@ def _save_targets(targets: List[str]) -> dict:
     saved = {}
     for target in targets:
         owner_path, name = target.rsplit(".", 1)
-        try:
-            owner = pkgutil.resolve_name(owner_path)
-        except (ImportError, AttributeError):  # the tokenizer manager needs fastapi (not on CPU CI)
-            continue
+        owner = pkgutil.resolve_name(owner_path)
         saved[(owner, name)] = owner.__dict__[name]
     return saved
+
+
+def _restore(owner, name: str, original) -> None:
+    """Put `original` back on `owner` and on every module the registry propagated it to."""
+    patched = owner.__dict__[name]
+    setattr(owner, name, original)
+    if patched is original:
+        return
+    for module in list(sys.modules.values()):
+        module_vars = getattr(module, "__dict__", None)
+        if module_vars is None:
+            continue
+        for attr, value in list(module_vars.items()):
+            if value is patched:
+                setattr(module, attr, original)
+
+
+@functools.lru_cache(maxsize=None)
+def publish_cpu_runtime():
+    """Publish a CPU ServerArgs as SGLang's process-wide config, once per test process."""
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path="dummy", device="cpu", sampling_backend="pytorch")
+    publish(server_args, role="scheduler")
+    return server_args
+
+
+def make_req(rid: str, vocab_size: int, *, return_logprob: bool, top_logprobs_num: int, **params):
+    """A real scheduler `Req` with SGLang-normalised and verified sampling parameters."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sampling_params = SamplingParams(**params)
+    sampling_params.normalize(None)
+    sampling_params.verify(vocab_size)
+    return Req(
+        rid,
+        "",
+        array("q", [1, 2, 3]),
+        sampling_params,
+        return_logprob=return_logprob,
+        top_logprobs_num=top_logprobs_num,
+        vocab_size=vocab_size,
+    )
+
+
+def batch_sampling_info(reqs, vocab_size: int):
+    """(top_logprobs_nums, SamplingBatchInfo) of a real ScheduleBatch of `reqs`.
+
+    `ScheduleBatch.init_new` decides whether the batch returns logprobs; the per-row
+    top_logprobs_nums are then what `prepare_for_extend` and `get_new_batch_prefill` set:
+    every request's `logprob.top_logprobs_num`, whether or not it returns logprobs."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    publish_cpu_runtime()
+    batch = ScheduleBatch.init_new(
+        reqs,
+        SimpleNamespace(device="cpu"),
+        None,
+        None,
+        SimpleNamespace(vocab_size=vocab_size),
+        False,
+        SpeculativeAlgorithm.NONE,
+    )
+    assert batch.return_logprob
+    nums = [r.logprob.top_logprobs_num for r in batch.reqs]
+    return nums, SamplingBatchInfo.from_schedule_batch(batch, vocab_size)
 
 
 def is_close(a: float, b: float, tol: float = 1e-5) -> bool:

@@ -111,3 +111,66 @@ def test_bad_num_samples_rejected(num_samples):
     meta_info, _, _ = _meta_info(length=2, k=2)
     with pytest.raises(ValueError, match="num_samples must be a positive int"):
         parse_token_samples(meta_info, num_samples=num_samples)
+
+
+def _flat_meta_info(length: int, k: int, b64: bool):
+    """The same response with its output top logprobs in SGLang's flat format, built by
+    SGLang's own TokenizerManager helper (`return_flat_raw_output_top_logprobs`)."""
+    from sglang.srt.managers.tokenizer_manager import _build_flat_top_logprobs_fields
+
+    meta_info, ids, logprobs = _meta_info(length, k, seed=4)
+    nested = meta_info.pop("output_top_logprobs")
+    meta_info.update(
+        _build_flat_top_logprobs_fields(
+            "output",
+            [[entry[0] for entry in row] for row in nested],
+            [[entry[1] for entry in row] for row in nested],
+            1 + k,
+            return_b64=b64,
+        )
+    )
+    return meta_info, ids, logprobs
+
+
+@pytest.mark.parametrize("b64", [False, True])
+def test_flat_output_format_round_trip(b64):
+    meta_info, ids, logprobs = _flat_meta_info(length=6, k=3, b64=b64)
+    assert "output_top_logprobs" not in meta_info
+    samples = parse_token_samples(meta_info, num_samples=3)
+    assert torch.equal(samples.sampled_ids, ids[:, 0])
+    assert torch.equal(samples.draw_ids, ids[:, 1:])
+    # b64 carries float32, the JSON lists the full float64 values
+    torch.testing.assert_close(samples.draw_logprobs, logprobs[:, 1:].float())
+
+
+def _skip_first_position(m):  # flat rows start after a null prefix
+    m.update(
+        output_top_logprobs_null_prefix=1,
+        output_top_logprobs_shape=[5, 4],
+        output_top_logprobs_val_flat=m["output_top_logprobs_val_flat"][4:],
+        output_top_logprobs_idx_flat=m["output_top_logprobs_idx_flat"][4:],
+    )
+
+
+@pytest.mark.parametrize(
+    "b64, edit, message",
+    [
+        (False, lambda m: m["output_top_logprobs_val_flat"].pop(),
+         r"output_top_logprobs_val_flat'\] must be a list of 24 numbers"),
+        (False, lambda m: m.update(output_top_logprobs_shape=[6, 4, 1]),
+         r"output_top_logprobs_shape'\]=\[6, 4, 1\]"),
+        (False, lambda m: m.update(output_top_logprobs_shape=[6, 3]),
+         r"output_top_logprobs_val_flat'\] must be a list of 18 numbers"),
+        (False, _skip_first_position,
+         r"position 0: expected the sampled token plus 3 draws .* got 0"),
+        (True, lambda m: m.update(output_top_logprobs_idx_flat_b64="@@"), "is not base64"),
+        (True, lambda m: m.update(output_top_logprobs_val_flat_b64_dtype="float16"),
+         r"_dtype'\]='float16', expected 'float32'"),
+        (True, lambda m: m.update(output_top_logprobs_val_flat_b64="AAAA"), "holds 3 bytes"),
+    ],
+)
+def test_malformed_flat_output_is_rejected_naming_the_field(b64, edit, message):
+    meta_info, _, _ = _flat_meta_info(length=6, k=3, b64=b64)
+    edit(meta_info)
+    with pytest.raises(ValueError, match=message):
+        parse_token_samples(meta_info, num_samples=3)

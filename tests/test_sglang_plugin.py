@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 from sglang.srt.layers.logprob_processor import OutputLogprobProcessor, get_top_logprobs
-import sglang.srt.layers.sampler as sampler_module
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-from sglang.srt.sampling.sampling_params import TOP_K_ALL, SamplingParams
+from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
 from fusedrl.sglang_plugin import constraints, hooks, plugin
 from fusedrl.sglang_plugin.client import parse_token_samples
 from sglang_harness import (
     chi_square_p_value,
     hooks_enabled,
+    publish_cpu_runtime,
     run_sampler,
     sampling_info,
     tempered_logprobs,
@@ -35,9 +36,14 @@ def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 def test_registers_through_hook_registry_and_returns_sampled_then_draws(monkeypatch, caplog):
     logits = _logits(len(TEMPERATURES), 37, seed=0)
     with caplog.at_level(logging.INFO), hooks_enabled(monkeypatch):
-        assert plugin.COMPUTE_LOGPROBS_TARGET in HookRegistry._patched
-        assert plugin.SAMPLER_FORWARD_TARGET in HookRegistry._patched
-        assert set(HookRegistry._hooks) >= {plugin.ADMISSION_TARGET, plugin.SERVER_ARGS_TARGET}
+        assert HookRegistry._patched == {
+            plugin.COMPUTE_LOGPROBS_TARGET,
+            plugin.SAMPLER_FORWARD_TARGET,
+            plugin.ADMISSION_TARGET,
+            plugin.SCHEDULER_ADMISSION_TARGET,
+            plugin.SCHEDULER_INIT_TARGET,
+            plugin.SERVER_ARGS_TARGET,
+        }
         assert hasattr(OutputLogprobProcessor.compute_logprobs, "__wrapped__")
         torch.manual_seed(1)
         next_ids, output = run_sampler(logits, sampling_info(TEMPERATURES), NUMS)
@@ -111,118 +117,94 @@ def test_variable_unset_leaves_sglang_top_k_identical(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize(
-    "params, message",
+    "params, refused_row, message",
     [
-        (dict(top_ks=[TOP_K_ALL, 5, TOP_K_ALL]), r"batch row 1: .*top_k=5 truncates"),
-        (dict(top_ps=[1.0, 1.0, 0.9]), r"batch row 2: .*refused: top_p=0\.9 truncates"),
-        (dict(min_ps=[0.1, 0.0, 0.0]), r"batch row 0: .*refused: min_p=0\.1 truncates"),
-        (dict(top_ks=[1, 1, 1]), r"batch row 0: .*top_k=1 \(greedy decoding"),
+        (dict(top_ks=[TOP_K_ALL, 5, TOP_K_ALL]), 1, "top_k=5 truncates"),
+        (dict(top_ps=[1.0, 1.0, 0.9]), 2, r"top_p=0\.9 truncates"),
+        (dict(min_ps=[0.1, 0.0, 0.0]), 0, r"min_p=0\.1 truncates"),
     ],
 )
-def test_truncated_or_greedy_rows_asking_for_samples_are_refused(monkeypatch, params, message):
+def test_truncated_row_asking_for_samples_gets_plain_top_k_and_never_raises(
+    monkeypatch, caplog, params, refused_row, message
+):
+    """Such a row is refused at admission; reached anyway, it must not take the scheduler down:
+    it keeps SGLang's top-K (which the client rejects), logged once, and the others get draws."""
+    publish_cpu_runtime()  # truncated sampling reads SGLang's sampling backend ("pytorch")
     logits = _logits(3, 11, seed=7)
-    with hooks_enabled(monkeypatch), pytest.raises(ValueError, match=message):
-        run_sampler(logits, sampling_info([0.8] * 3, **params), [2, 2, 2])
+    nums = [2, 3, 4]
+    with caplog.at_level(logging.ERROR), hooks_enabled(monkeypatch):
+        hooks._logged_once.clear()
+        for step in range(2):
+            torch.manual_seed(step)
+            next_ids, output = run_sampler(logits, sampling_info([0.8] * 3, **params), nums)
+    records = [r for r in caplog.records if "instead of draws" in r.getMessage()]
+    assert len(records) == 1  # once per process, not once per batch
+    assert f"batch row {refused_row}" in records[0].getMessage()
+    assert re.search(message, records[0].getMessage())
+    truth = tempered_logprobs(logits, [0.8] * 3)
+    for row, k in enumerate(nums):
+        ids = output.next_token_top_logprobs_idx[row]
+        if row == refused_row:  # SGLang's own top-K: K entries, the K most likely tokens
+            assert ids.numel() == k
+            assert set(ids.tolist()) == set(truth[row].topk(k).indices.tolist())
+        else:
+            assert ids.numel() == 1 + k and int(ids[0]) == int(next_ids[row])
+
+
+def test_greedy_batch_asking_for_samples_gets_plain_top_k(monkeypatch):
+    logits = _logits(2, 13, seed=17)
+    with hooks_enabled(monkeypatch):
+        next_ids, output = run_sampler(logits, sampling_info([1.0, 1.0], top_ks=[1, 1]), [3, 2])
+    assert [t.numel() for t in output.next_token_top_logprobs_idx] == [3, 2]
+    assert torch.equal(next_ids.long(), logits.argmax(-1))
+
+
+def test_top_k_at_or_above_vocabulary_size_gets_draws(monkeypatch):
+    """top_k >= V truncates nothing, so those rows are served like top_k = -1."""
+    publish_cpu_runtime()
+    vocab = 11
+    logits = _logits(3, vocab, seed=18)
+    with hooks_enabled(monkeypatch):
+        hooks._logged_once.clear()
+        next_ids, output = run_sampler(
+            logits, sampling_info([0.9] * 3, top_ks=[vocab, vocab + 7, TOP_K_ALL]), [2, 2, 2]
+        )
+    assert not hooks._logged_once
+    truth = tempered_logprobs(logits, [0.9] * 3)
+    for row in range(3):
+        ids = output.next_token_top_logprobs_idx[row]
+        assert ids.numel() == 3 and int(ids[0]) == int(next_ids[row])
+        _assert_logprobs_close(output.next_token_top_logprobs_val[row], truth[row, ids])
+
+
+def test_failing_draw_falls_back_to_top_k_without_raising(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(hooks, "draw_token_samples", broken)
+    logits = _logits(len(TEMPERATURES), 37, seed=19)
+    with caplog.at_level(logging.ERROR), hooks_enabled(monkeypatch):
+        hooks._logged_once.clear()
+        _, output = run_sampler(logits, sampling_info(TEMPERATURES), NUMS)
+    assert [t.numel() for t in output.next_token_top_logprobs_idx] == NUMS
+    assert "drawing failed" in caplog.text and "device lost" in caplog.text
 
 
 def test_truncated_row_not_asking_for_samples_is_served(monkeypatch):
-    # Truncated sampling reads the backend from SGLang's runtime context, unpublished on CPU.
-    backend = SimpleNamespace(kernel=SimpleNamespace(sampling_backend="pytorch"))
-    monkeypatch.setattr(sampler_module, "get_exec", lambda: backend)
+    publish_cpu_runtime()
     logits = _logits(3, 11, seed=8)
     with hooks_enabled(monkeypatch):
+        hooks._logged_once.clear()
         _, output = run_sampler(
             logits, sampling_info([0.8] * 3, top_ks=[TOP_K_ALL, 4, TOP_K_ALL]), [2, 0, 3]
         )
     assert [t.numel() for t in output.next_token_top_logprobs_idx] == [3, 0, 4]
+    assert not hooks._logged_once
 
 
-def test_watermarked_logprobs_are_refused():
-    with pytest.raises(ValueError, match="batch row 0: .*watermarked"):
-        hooks.reject_unfaithful_rows(sampling_info([1.0]), [2], logprob_logits=torch.zeros(1, 4))
-
-
-@pytest.mark.parametrize(
-    "params, message",
-    [
-        (dict(temperature=0.0), r"top_logprobs_num=4\) is refused: top_k=1 \(greedy"),
-        (dict(temperature=0.9, top_k=20), "top_k=20 truncates"),
-        (dict(temperature=0.9, top_p=0.95), "top_p=0.95 truncates"),
-        (dict(temperature=0.9, min_p=0.05), "min_p=0.05 truncates"),
-    ],
-)
-def test_admission_refuses_truncated_requests_with_clear_message(params, message):
-    request = SimpleNamespace(
-        return_logprob=True, top_logprobs_num=4, sampling_params=SamplingParams(**params)
-    )
-    with pytest.raises(ValueError, match=message):
-        hooks.admission_hook(request)
-
-
-def test_admission_lets_faithful_or_sample_free_requests_through():
-    faithful = SimpleNamespace(
-        return_logprob=True, top_logprobs_num=4, sampling_params=SamplingParams(temperature=0.9)
-    )
-    no_samples = SimpleNamespace(
-        return_logprob=True, top_logprobs_num=0, sampling_params=SamplingParams(top_p=0.5)
-    )
-    no_logprobs = SimpleNamespace(
-        return_logprob=False, top_logprobs_num=4, sampling_params=SamplingParams(temperature=0.0)
-    )
-    for request in (faithful, no_samples, no_logprobs):
-        assert hooks.admission_hook(request) is None
-
-
-@pytest.mark.parametrize(
-    "server_args, message",
-    [
-        (SimpleNamespace(speculative_algorithm="EAGLE"), "speculative decoding"),
-        (SimpleNamespace(speculative_algorithm=None, enable_watermark=True), "watermarking"),
-    ],
-)
-def test_server_start_refused_under_unservable_settings(server_args, message):
-    with pytest.raises(ValueError, match=f"refusing to start: {message}"):
-        hooks.refuse_server_config(None, server_args)
-
-
-def test_server_start_allowed_without_speculative_decoding():
-    for algorithm in (None, "NONE"):
-        server_args = SimpleNamespace(speculative_algorithm=algorithm)
-        assert hooks.refuse_server_config(None, server_args) is None
-
-
-def _registered_server_check():
-    (hook_type, hook, _source), = HookRegistry._hooks[plugin.SERVER_ARGS_TARGET]
-    assert hook_type is HookType.AFTER
-    return hook
-
-
-def test_server_check_is_registered_and_refuses_speculative_decoding(monkeypatch):
-    with hooks_enabled(monkeypatch):
-        check = _registered_server_check()
-        assert check(None, SimpleNamespace(speculative_algorithm=None)) is None
-        with pytest.raises(ValueError, match="speculative_algorithm=NGRAM"):
-            check(None, SimpleNamespace(speculative_algorithm="NGRAM"))
-
-
-def test_original_logprobs_env_disables_patching_and_refuses_start(monkeypatch, caplog):
-    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
-    forward = Sampler.__dict__["forward"]
-    with caplog.at_level(logging.ERROR), hooks_enabled(monkeypatch):
-        assert list(HookRegistry._hooks) == [plugin.SERVER_ARGS_TARGET]
-        assert Sampler.__dict__["forward"] is forward
-        with pytest.raises(ValueError, match="SGLANG_RETURN_ORIGINAL_LOGPROB=1"):
-            _registered_server_check()(None, SimpleNamespace(speculative_algorithm=None))
-    assert "NOT enabled" in caplog.text
-
-
-def test_sglang_without_a_known_target_is_left_alone_and_refused(monkeypatch, caplog):
-    monkeypatch.setattr(plugin, "find_draw_target", lambda: None)
-    with caplog.at_level(logging.ERROR), hooks_enabled(monkeypatch):
-        assert list(HookRegistry._hooks) == [plugin.SERVER_ARGS_TARGET]
-        with pytest.raises(ValueError, match="has neither .*compute_logprobs .*to hook"):
-            _registered_server_check()(None, SimpleNamespace(speculative_algorithm=None))
-    assert "NOT enabled" in caplog.text
+def test_watermarked_rows_are_not_served_draws():
+    refused = hooks.unfaithful_rows(sampling_info([1.0] * 3), [2, 0, 1], torch.zeros(3, 4))
+    assert set(refused) == {0, 2} and "watermarked" in refused[0]
 
 
 def test_installed_sglang_gets_the_compute_logprobs_target():
@@ -332,4 +314,7 @@ def test_legacy_attach_target_gets_sampled_then_draws():
 def test_truncation_problem_accepts_only_the_whole_distribution():
     assert constraints.TOP_K_ALL == TOP_K_ALL  # the plugin's copy of SGLang's constant
     assert constraints.truncation_problem(TOP_K_ALL, 1.0, 0.0) is None
+    assert constraints.truncation_problem(50, 1.0, 0.0, vocab_size=50) is None
     assert "top_k=7" in constraints.truncation_problem(7, 1.0, 0.0)
+    assert "top_k=49" in constraints.truncation_problem(49, 1.0, 0.0, vocab_size=50)
+    assert "top_k=1 " in constraints.truncation_problem(1, 1.0, 0.0, vocab_size=1)
