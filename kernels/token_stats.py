@@ -61,14 +61,17 @@ def _token_stats_fwd_kernel(
         z = tl.load(row_ptr + cols, mask=cols < vocab_local, other=float("-inf"))
         z = z.to(tl.float32) * inv_temperature
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
-        rescale = tl.exp(running_max - new_max)
-        shifted = z - new_max
+        # While every column so far is -inf the sums are 0 around any finite reference point;
+        # 0 keeps exp(-inf - -inf) = NaN out of the rescale.
+        reference = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(running_max - reference)
+        shifted = z - reference
         e = tl.exp(shifted)
         if WITH_ENTROPY:
             # Moving the reference point from the old max to the new one shifts every term by
-            # (old - new); the guard keeps 0 * -inf out of the first block.
-            moved = exp_sum * tl.where(exp_sum > 0, running_max - new_max, 0.0)
-            block_centred = tl.sum(e * tl.where(e > 0, shifted, 0.0), axis=0)
+            # (old - new); the guards keep 0 * -inf out (empty sums, -inf columns), not NaN.
+            moved = exp_sum * tl.where(exp_sum == 0.0, 0.0, running_max - reference)
+            block_centred = tl.sum(e * tl.where(z == float("-inf"), 0.0, shifted), axis=0)
             centred_sum = rescale * (centred_sum + moved) + block_centred
         exp_sum = exp_sum * rescale + tl.sum(e, axis=0)
         running_max = new_max
@@ -135,7 +138,7 @@ def _token_stats_bwd_kernel(
             p = tl.exp(z - lse)
             grad = -logp_grad_sum * p
             if WITH_ENTROPY:
-                grad -= entropy_grad * p * (z - mean_z)
+                grad -= entropy_grad * tl.where(z == float("-inf"), 0.0, p * (z - mean_z))
         # Each id lands in one block: a scalar range test per (block, slot) keeps the one-hot
         # work at O(J * BLOCK_V) per row rather than O(J * V), so large top-p supports stay cheap.
         for j in range(J):
@@ -193,8 +196,10 @@ def combine_partials(partials_all: torch.Tensor):
     rank_max, rank_sum, rank_centred = partials_all[..., 0], partials_all[..., 1], partials_all[..., 2]
     row_max = rank_max.max(dim=0).values
     weight = torch.exp(rank_max - row_max)
+    # A rank whose shard is all -inf has rank_sum = 0 and rank_max = -inf: its shift is 0, not NaN.
+    shift = torch.where(rank_sum == 0, 0.0, rank_sum * (rank_max - row_max))
     exp_sum = (weight * rank_sum).sum(dim=0)
-    centred_sum = (weight * (rank_centred + rank_sum * (rank_max - row_max))).sum(dim=0)
+    centred_sum = (weight * (rank_centred + shift)).sum(dim=0)
     log_exp_sum = torch.log(exp_sum)
     centred_mean = centred_sum / exp_sum
     lse = row_max + log_exp_sum
@@ -319,6 +324,11 @@ def token_stats(
     validate: check ids and rows values (one host sync each); shapes and dtypes are always checked.
 
     Returns `TokenStats(logp [N, J], entropy [N] or None, scores [N, J])`, float32.
+    Masked vocabularies: -inf logits are ordinary input (probability 0, gradient exactly 0), in
+    any column and on any TP rank, a whole shard included. A row with a NaN logit, a +inf logit
+    or no finite logit at all has no distribution: its logp and entropy are NaN (scores stay the
+    tempered logits), as is its gradient wherever the softmax term enters; other rows are
+    unaffected. The float64 reference gives the same.
     Differentiable with respect to logits. CPU tensors outside the Triton interpreter take the
     float64 eager reference.
     """
