@@ -44,10 +44,6 @@ class _Tile(NamedTuple):
     vec: int
     num_warps: int
 
-    @property
-    def block(self) -> int:
-        return self.rows_per_tile * self.threads * self.vec
-
 
 def tile_for(vocab_local: int, element_size: int) -> _Tile:
     """The launch shape for a row of vocab_local columns of element_size bytes.
