@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "here are skipped with a note (default: all)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS, metavar="DIR",
                         help="where the CSV is appended and the PNG written (default: bench/results)")
+    parser.add_argument("--static", action="store_true",
+                        help="no timing: the sm_90 static cost model of every kernel variant (CPU, bench/static.py)")
     return parser
 
 
@@ -147,6 +149,10 @@ def _relative_cost(case) -> float:
 def main(argv=None):
     """Run the benchmark; returns the records (one per case, phase and subject)."""
     args = parse_args(argv)
+    if args.static:
+        from .static import run
+
+        return run(args.results_dir, args.op)
     device = pick_device(args.device)
     gpu = device.type == "cuda"
     from . import report

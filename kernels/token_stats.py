@@ -1,38 +1,78 @@
 """Fused per-token statistics over vocabulary-parallel logits: log-probs of J ids, entropy, scores.
 
 Why two kernels and one collective. The forward streams each row once with an online softmax and
-emits `3 + J` per-row partials (running max `m`, rescaled exp-sum `s`, rescaled exp-weighted
-centred-logit sum `u`, and the J gathered tempered logits). Under tensor parallelism those partials
-are all-gathered once (`[tp, N, 3 + J]` floats, nothing of size V) and combined locally, so tp = 1
-is the same code without the collective. Every loss in scope depends on a row only through
-`logp[:, j]` and `entropy`, so the backward is one more streaming pass that writes
-`dz' = sum_j c_j e_{id_j} + p * (-G - g_H (z' - E_p[z']))` (see docs/math.md) from the saved lse and
-`E_p[z']`: no collective, each gradient element written exactly once in fp32 and cast (a bf16
-read-modify-write of the target column would lose it), and the softmax term skipped for rows whose
-coefficients vanish (a purely centred score on a fresh token).
+emits `3 + J` per-row partials (in log2 units: running max `m`, rescaled exp-sum `s`, rescaled
+exp-weighted centred-logit sum `u`; then the J gathered tempered logits). Under tensor
+parallelism those partials are all-gathered once (`[tp, N, 3 + J]` floats, nothing of size V) and
+combined locally, so tp = 1 is the same code without the collective. Every loss in scope depends
+on a row only through `logp[:, j]` and `entropy`, so the backward is one more streaming pass that
+writes `dz' = sum_j c_j e_{id_j} + p * (-G - g_H (z' - E_p[z']))` (see docs/math.md) from the
+saved lse and `E_p[z']`: no collective, each gradient element rounded once from fp32 (a bf16
+read-modify-write of an id column would lose its one-hot term), and the softmax term skipped for
+rows whose coefficients vanish (a purely centred score on a fresh token).
+
+Why the loops look as they do: the static cost model (`python -m bench --static`) showed the
+first version bound by instruction issue, not memory, in bf16; the README has its figures before
+and after.
 """
 
-import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import triton
-import triton.language as tl
 
-from ._contract import KERNEL_DTYPES, TokenStats, check_token_stats_inputs
+from ._contract import KERNEL_DTYPES, TokenStats, as_2d_logits, check_token_stats_inputs
+from ._dispatch import tl, triton, uses_triton
 from ._tp import resolve_tp
 from .reference import token_stats_reference
 
-MAX_BLOCK_V = 4096
+LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in log2 units (ex2 is the hardware exp)
+LN2 = 0.6931471805599453  # back to natural units, once per row on the host
+# -inf logits are raised to FLOOR where they multiply their probability of 0, so the product is 0,
+# not 0 * -inf = NaN; FLOOR is far enough from fp32's limit that coefficients up to 1e20 keep the
+# factor finite, and far below any logit whose probability is not 0 anyway.
+FLOOR = tl.constexpr(-1e18)
 
 
-def uses_triton(tensor: torch.Tensor) -> bool:
-    """CUDA tensors run the Triton kernels; CPU tensors only under the Triton interpreter."""
-    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+class _Tile(NamedTuple):
+    """How one program streams a row: [ROWS_PER_TILE, THREADS, VEC] elements per trip, VEC
+    contiguous columns per thread (one 128-bit access), so reductions over axes 0 and 2 stay in
+    a thread's registers and only the final per-thread combine crosses threads."""
+
+    rows_per_tile: int
+    threads: int
+    vec: int
+    num_warps: int
 
 
-def _block_v(vocab_local: int) -> int:
-    return min(MAX_BLOCK_V, triton.next_power_of_2(vocab_local))
+def tile_for(vocab_local: int, element_size: int) -> _Tile:
+    """The launch shape for a row of vocab_local columns of element_size bytes.
+
+    16 elements per thread per trip and 8 warps at large V. Measured with the static model at
+    V = 151936, J = 9, entropy on (`python -m bench --static` with the tile patched): 8 per
+    thread costs 10.4-10.8 instructions per element forward (16: 9.9-10.1); 32 per thread needs
+    48-63 registers, 50-62.5% occupancy, for 0.3-0.5 fewer instructions; 4 warps instead of 8
+    changes nothing beyond 0.2. Small rows take fewer warps so a trip is not mostly mask.
+    """
+    vec = 16 // element_size
+    rows_per_tile = max(1, 16 // vec)
+    num_warps = 8
+    while num_warps > 1 and rows_per_tile * 32 * num_warps * vec > 2 * triton.next_power_of_2(vocab_local):
+        num_warps //= 2
+    return _Tile(rows_per_tile, 32 * num_warps, vec, num_warps)
+
+
+@triton.jit
+def _tile_offsets(ROWS_PER_TILE: tl.constexpr, THREADS: tl.constexpr, VEC: tl.constexpr):
+    """Column offsets of one trip's [ROWS_PER_TILE, THREADS, VEC] tile."""
+    tile_row = tl.arange(0, ROWS_PER_TILE)[:, None, None] * (THREADS * VEC)
+    return tile_row + tl.arange(0, THREADS)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]
+
+
+@triton.jit
+def _thread_sum(x):
+    """Sum over the tile's in-thread axes: one value per thread, no cross-thread traffic."""
+    return tl.sum(tl.sum(x, axis=2), axis=0)
 
 
 @triton.jit
@@ -48,46 +88,75 @@ def _token_stats_fwd_kernel(
     J: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    ROWS_PER_TILE: tl.constexpr,
+    THREADS: tl.constexpr,
+    VEC: tl.constexpr,
 ):
-    """One program per selected row: online max / exp-sum / centred sum, then the J gathers."""
+    """One program per selected row: per-thread online max / exp-sum / centred sum in log2 units,
+    one cross-thread combine after the loop, then the J gathers.
+
+    Partials (log2 units, y = logit * log2(e) / temperature): running max m, s = sum 2^(y - m),
+    u = sum 2^(y - m) (y - m); then the J tempered logits (natural units).
+    """
     pid = tl.program_id(0).to(tl.int64)
     if HAS_ROWS:
         row = tl.load(rows_ptr + pid).to(tl.int64)
     else:
         row = pid
     row_ptr = logits_ptr + row * stride_row
-    offs = tl.arange(0, BLOCK_V)
+    scale = inv_temperature * LOG2E
+    offs = _tile_offsets(ROWS_PER_TILE, THREADS, VEC)
+    BLOCK: tl.constexpr = ROWS_PER_TILE * THREADS * VEC
 
-    running_max = float("-inf")
-    exp_sum = 0.0
-    centred_sum = 0.0  # sum exp(z' - m) * (z' - m), kept relative to m for an exact entropy
-    for start in range(0, vocab_local, BLOCK_V):
+    running_max = tl.full([THREADS], float("-inf"), tl.float32)
+    exp_sum = tl.zeros([THREADS], tl.float32)
+    centred_sum = tl.zeros([THREADS], tl.float32)
+    for start in range(0, vocab_local, BLOCK):
         cols = start + offs
-        z = tl.load(row_ptr + cols, mask=cols < vocab_local, other=float("-inf"))
-        z = z.to(tl.float32) * inv_temperature
-        new_max = tl.maximum(running_max, tl.max(z, axis=0))
-        rescale = tl.exp(running_max - new_max)
-        shifted = z - new_max
-        e = tl.exp(shifted)
+        x = tl.load(row_ptr + cols, mask=cols < vocab_local, other=float("-inf"), eviction_policy="evict_first")
+        x = x.to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(tl.max(x, axis=2), axis=0) * scale)
+        # While a thread has seen only -inf its sums are 0 around any finite reference point;
+        # 0 keeps exp2(-inf - -inf) = NaN out of the rescale.
+        reference = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp2(running_max - reference)
+        shifted = x * scale - reference[None, :, None]
+        e = tl.exp2(shifted)
         if WITH_ENTROPY:
             # Moving the reference point from the old max to the new one shifts every term by
-            # (old - new); the guard keeps 0 * -inf out of the first block.
-            moved = exp_sum * tl.where(exp_sum > 0, running_max - new_max, 0.0)
-            block_centred = tl.sum(e * tl.where(e > 0, shifted, 0.0), axis=0)
+            # (old - new); an empty sum moves by 0 and -inf columns add 0, not 0 * -inf = NaN.
+            moved = tl.where(exp_sum == 0.0, 0.0, exp_sum * (running_max - reference))
+            block_centred = _thread_sum(e * tl.maximum(shifted, FLOOR))
             centred_sum = rescale * (centred_sum + moved) + block_centred
-        exp_sum = exp_sum * rescale + tl.sum(e, axis=0)
+        exp_sum = exp_sum * rescale + _thread_sum(e)
         running_max = new_max
 
+    row_max = tl.max(running_max, axis=0)
+    reference = tl.where(row_max == float("-inf"), 0.0, row_max)
+    weight = tl.exp2(running_max - reference)
     out = partials_ptr + pid * (3 + J)
-    tl.store(out, running_max)
-    tl.store(out + 1, exp_sum)
-    tl.store(out + 2, centred_sum)
+    tl.store(out, row_max)
+    tl.store(out + 1, tl.sum(weight * exp_sum, axis=0))
+    if WITH_ENTROPY:
+        moved = tl.where(exp_sum == 0.0, 0.0, exp_sum * (running_max - reference))
+        tl.store(out + 2, tl.sum(weight * (centred_sum + moved), axis=0))
+    else:
+        tl.store(out + 2, 0.0)
     for j in range(J):
         local_id = tl.load(ids_ptr + pid * J + j) - vocab_start
         owned = (local_id >= 0) & (local_id < vocab_local)
         gathered = tl.load(row_ptr + local_id, mask=owned, other=0.0).to(tl.float32)
         tl.store(out + 3 + j, gathered * inv_temperature)
+
+
+@triton.jit
+def _softmax_term(x, scale, lse2, k1, k2, WITH_ENTROPY: tl.constexpr):
+    """p * (k1 + k2 * x): the softmax part of the gradient at raw logits x (fp32), in one FFMA
+    and one ex2; -inf logits give p = 0 and a finite factor, so exactly 0."""
+    p = tl.exp2(x * scale - lse2)
+    if WITH_ENTROPY:
+        return p * (tl.maximum(x, FLOOR) * k2 + k1)
+    return p * k1
 
 
 @triton.jit
@@ -109,9 +178,14 @@ def _token_stats_bwd_kernel(
     J: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    ROWS_PER_TILE: tl.constexpr,
+    THREADS: tl.constexpr,
+    VEC: tl.constexpr,
+    J_BLOCK: tl.constexpr,
 ):
-    """One program per logits row: writes the whole gradient row once (zeros for unselected rows)."""
+    """One program per logits row: streams the softmax term over the whole row (zeros for
+    unselected rows), then overwrites the <= J id columns with softmax term + one-hot
+    coefficients, each rounded once. The ids stay out of the streamed loop."""
     row = tl.program_id(0).to(tl.int64)
     if HAS_ROWS:
         slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -120,51 +194,78 @@ def _token_stats_bwd_kernel(
     selected = slot >= 0
     safe_slot = tl.where(selected, slot, 0)
 
+    # d logits = inv_t * (sum_j c_j e_id_j - G p - g_H p (z - E_p[z])), z = x * inv_t, so the
+    # softmax part is p * (k1 + k2 * x) with the constants below.
     logp_grad_sum = tl.load(logp_grad_sum_ptr + safe_slot, mask=selected, other=0.0)
     lse = tl.load(lse_ptr + safe_slot, mask=selected, other=0.0)
+    k1 = -logp_grad_sum * inv_temperature
+    k2 = 0.0
     entropy_grad = 0.0
-    mean_z = 0.0
     if WITH_ENTROPY:
         entropy_grad = tl.load(entropy_grad_ptr + safe_slot, mask=selected, other=0.0)
         mean_z = tl.load(mean_z_ptr + safe_slot, mask=selected, other=0.0)
+        k1 += entropy_grad * mean_z * inv_temperature
+        k2 = -entropy_grad * inv_temperature * inv_temperature
     needs_softmax = (logp_grad_sum != 0.0) | (entropy_grad != 0.0)
+    scale = inv_temperature * LOG2E
+    lse2 = lse * LOG2E
 
     row_ptr = logits_ptr + row * stride_row
     grad_row_ptr = grad_ptr + row * stride_grad_row
-    offs = tl.arange(0, BLOCK_V)
-    for start in range(0, vocab_local, BLOCK_V):
-        cols = start + offs
-        in_vocab = cols < vocab_local
-        grad = tl.zeros([BLOCK_V], dtype=tl.float32)
-        if needs_softmax:
-            z = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32) * inv_temperature
-            p = tl.exp(z - lse)
-            grad = -logp_grad_sum * p
-            if WITH_ENTROPY:
-                grad -= entropy_grad * p * (z - mean_z)
-        # Each id lands in one block: a scalar range test per (block, slot) keeps the one-hot
-        # work at O(J * BLOCK_V) per row rather than O(J * V), so large top-p supports stay cheap.
-        for j in range(J):
-            local_id = tl.load(ids_ptr + safe_slot * J + j, mask=selected, other=-1) - vocab_start
-            if (local_id >= start) & (local_id < start + BLOCK_V):
-                coef = tl.load(scatter_coef_ptr + safe_slot * J + j)
-                grad += tl.where(cols == local_id, coef, 0.0)
-        grad = grad * inv_temperature
-        tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
+    offs = _tile_offsets(ROWS_PER_TILE, THREADS, VEC)
+    BLOCK: tl.constexpr = ROWS_PER_TILE * THREADS * VEC
+    # The id columns get softmax term + one-hot coefficients, rounded once, written after the
+    # streamed loop. Computed before it: an in-place backward overwrites their logits, and
+    # fewer values stay live through the loop. Repeated ids: every slot of an id adds its
+    # coefficient to that column (each of its slots stores the same value).
+    slots = tl.arange(0, J_BLOCK)
+    slot_ok = (slots < J) & selected
+    global_ids = tl.load(ids_ptr + safe_slot * J + slots, mask=slot_ok, other=-1)
+    local_ids = (global_ids - vocab_start).to(tl.int32)
+    owned = slot_ok & (local_ids >= 0) & (local_ids < vocab_local)
+    coefs = tl.load(scatter_coef_ptr + safe_slot * J + slots, mask=slot_ok, other=0.0)
+    same_id = global_ids[:, None] == global_ids[None, :]
+    id_grad = tl.sum(tl.where(same_id, coefs[None, :], 0.0), axis=1) * inv_temperature
+    if needs_softmax:
+        x_ids = tl.load(row_ptr + local_ids, mask=owned, other=0.0).to(tl.float32)
+        id_grad += _softmax_term(x_ids, scale, lse2, k1, k2, WITH_ENTROPY)
+
+    # The needs_softmax test sits outside the loops: each streamed loop is one straight body.
+    if needs_softmax:
+        for start in range(0, vocab_local, BLOCK):
+            cols = start + offs
+            in_vocab = cols < vocab_local
+            x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            grad = _softmax_term(x, scale, lse2, k1, k2, WITH_ENTROPY)
+            tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab, eviction_policy="evict_first")
+    else:
+        zeros = tl.zeros([ROWS_PER_TILE, THREADS, VEC], dtype=grad_ptr.dtype.element_ty)
+        for start in range(0, vocab_local, BLOCK):
+            cols = start + offs
+            tl.store(grad_row_ptr + cols, zeros, mask=cols < vocab_local, eviction_policy="evict_first")
+
+    # Every thread's streamed stores land before the id columns are overwritten.
+    tl.debug_barrier()
+    tl.store(grad_row_ptr + local_ids, id_grad.to(grad_ptr.dtype.element_ty), mask=owned)
 
 
-def _row_partials(logits, ids, rows, vocab_start, temperature, with_entropy):
-    """Forward kernel launch: [N, 3 + J] fp32 partials of this rank's vocabulary shard."""
+def row_partials(logits_2d, ids, rows, vocab_start, temperature, with_entropy) -> torch.Tensor:
+    """This rank's per-row partials, [N, P] fp32: the forward kernel launch.
+
+    Row i of the result belongs to logits row `rows[i]` (row i when `rows` is None) and ids[i];
+    partials of all ranks go through `all_rank_partials` and `combine_partials`.
+    """
     num_out, num_ids = ids.shape
-    partials = torch.empty((num_out, 3 + num_ids), dtype=torch.float32, device=logits.device)
+    partials = torch.empty((num_out, 3 + num_ids), dtype=torch.float32, device=logits_2d.device)
     if num_out == 0:
         return partials
-    vocab_local = logits.shape[1]
+    vocab_local = logits_2d.shape[1]
+    tile = tile_for(vocab_local, logits_2d.element_size())
     _token_stats_fwd_kernel[(num_out,)](
-        logits,
-        logits.stride(0),
+        logits_2d,
+        logits_2d.stride(0),
         ids,
-        rows if rows is not None else ids,
+        rows if rows is not None else ids,  # any pointer: unread without HAS_ROWS
         partials,
         vocab_local,
         vocab_start,
@@ -172,30 +273,16 @@ def _row_partials(logits, ids, rows, vocab_start, temperature, with_entropy):
         J=num_ids,
         HAS_ROWS=rows is not None,
         WITH_ENTROPY=with_entropy,
-        BLOCK_V=_block_v(vocab_local),
-        num_warps=8,
+        ROWS_PER_TILE=tile.rows_per_tile,
+        THREADS=tile.threads,
+        VEC=tile.vec,
+        num_warps=tile.num_warps,
     )
     return partials
 
 
-def _combine_partials(partials: torch.Tensor):
-    """Merge per-rank partials [tp, N, 3 + J] into lse, mean tempered logit, entropy and scores."""
-    rank_max, rank_sum, rank_centred = partials[..., 0], partials[..., 1], partials[..., 2]
-    row_max = rank_max.max(dim=0).values
-    weight = torch.exp(rank_max - row_max)
-    exp_sum = (weight * rank_sum).sum(dim=0)
-    centred_sum = (weight * (rank_centred + rank_sum * (rank_max - row_max))).sum(dim=0)
-    log_exp_sum = torch.log(exp_sum)
-    centred_mean = centred_sum / exp_sum
-    lse = row_max + log_exp_sum
-    mean_z = row_max + centred_mean
-    entropy = log_exp_sum - centred_mean
-    scores = partials[..., 3:].sum(dim=0)
-    return lse, mean_z, entropy, scores
-
-
-def _all_rank_partials(partials: torch.Tensor, tp) -> torch.Tensor:
-    """[tp, N, 3 + J]: the one collective of the forward (skipped when the vocabulary is whole)."""
+def all_rank_partials(partials: torch.Tensor, tp) -> torch.Tensor:
+    """[tp, N, P]: the one collective of the forward (skipped when the vocabulary is whole)."""
     if tp.group is None:
         return partials.unsqueeze(0)
     gathered = [torch.empty_like(partials) for _ in range(tp.size)]
@@ -203,57 +290,121 @@ def _all_rank_partials(partials: torch.Tensor, tp) -> torch.Tensor:
     return torch.stack(gathered)
 
 
-class _TokenStatsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, logits_2d, ids, rows, temperature, with_entropy, tp, vocab_start, inplace):
-        partials = _row_partials(logits_2d, ids, rows, vocab_start, temperature, with_entropy)
-        lse, mean_z, entropy, scores = _combine_partials(_all_rank_partials(partials, tp))
-        ctx.save_for_backward(logits_2d, ids, rows, lse, mean_z)
-        ctx.logits_shape = logits.shape
-        ctx.temperature, ctx.with_entropy = temperature, with_entropy
-        ctx.vocab_start, ctx.inplace = vocab_start, inplace
-        ctx.mark_non_differentiable(lse)
-        return scores - lse.unsqueeze(1), entropy if with_entropy else None, scores
+def combine_partials(partials_all: torch.Tensor):
+    """(lse [N], mean_z [N], entropy [N], scores [N, J]) from all ranks' partials [tp, N, P].
 
-    @staticmethod
-    def backward(ctx, logp_grad, entropy_grad, scores_grad):
-        logits_2d, ids, rows, lse, mean_z = ctx.saved_tensors
-        logp_grad = _zeros_if_none(logp_grad, ids)
-        scores_grad = _zeros_if_none(scores_grad, ids)
-        with_entropy = ctx.with_entropy and entropy_grad is not None
-        grad = logits_2d if ctx.inplace else torch.empty_like(logits_2d)
-        num_rows, vocab_local = logits_2d.shape
-        slots = None
-        if rows is not None:
-            slots = torch.full((num_rows,), -1, dtype=torch.int64, device=rows.device)
-            slots[rows] = torch.arange(rows.numel(), device=rows.device)
-        if num_rows > 0:
-            _token_stats_bwd_kernel[(num_rows,)](
-                grad,
-                grad.stride(0),
-                logits_2d,
-                logits_2d.stride(0),
-                slots if slots is not None else lse,
-                ids,
-                (logp_grad + scores_grad).float().contiguous(),
-                logp_grad.float().sum(dim=1).contiguous(),
-                entropy_grad.float().contiguous() if with_entropy else lse,
-                lse,
-                mean_z,
-                vocab_local,
-                ctx.vocab_start,
-                1.0 / ctx.temperature,
-                J=ids.shape[1],
-                HAS_ROWS=rows is not None,
-                WITH_ENTROPY=with_entropy,
-                BLOCK_V=_block_v(vocab_local),
-                num_warps=8,
-            )
-        return grad.view(ctx.logits_shape), None, None, None, None, None, None, None, None
+    Natural-log units: `logp = scores - lse[:, None]`; mean_z is E_p[z / temperature]. A row
+    whose max is +inf or NaN has no distribution: NaN.
+    """
+    rank_max, rank_sum, rank_centred = partials_all[..., 0], partials_all[..., 1], partials_all[..., 2]
+    row_max = rank_max.max(dim=0).values
+    row_max = torch.where(row_max == float("inf"), float("nan"), row_max)
+    weight = torch.exp2(rank_max - row_max)
+    # A rank whose shard is all -inf has rank_sum = 0 and rank_max = -inf: its shift is 0, not NaN.
+    shift = torch.where(rank_sum == 0, 0.0, rank_sum * (rank_max - row_max))
+    exp_sum = (weight * rank_sum).sum(dim=0)
+    centred_sum = (weight * (rank_centred + shift)).sum(dim=0)
+    log_exp_sum = torch.log2(exp_sum)
+    centred_mean = centred_sum / exp_sum
+    lse = (row_max + log_exp_sum) * LN2
+    mean_z = (row_max + centred_mean) * LN2
+    entropy = (log_exp_sum - centred_mean) * LN2
+    scores = partials_all[..., 3:].sum(dim=0)
+    return lse, mean_z, entropy, scores
+
+
+def logits_grad(
+    grad_out, logits_2d, ids, rows, lse, mean_z, logp_grad, entropy_grad, scores_grad, vocab_start, temperature
+) -> torch.Tensor:
+    """The backward kernel launch: writes every element of grad_out [T, V_local] and returns it.
+
+    grad_out may be `logits_2d` itself (in-place). Rows not in `rows` get zeros. `logp_grad` and
+    `scores_grad` are [N, J] (None: zero); `entropy_grad` is [N] or None (no entropy term).
+    """
+    logp_grad = _zeros_if_none(logp_grad, ids)
+    scores_grad = _zeros_if_none(scores_grad, ids)
+    num_rows, vocab_local = logits_2d.shape
+    if num_rows == 0:
+        return grad_out
+    slots = None
+    if rows is not None:
+        slots = torch.full((num_rows,), -1, dtype=torch.int64, device=rows.device)
+        slots[rows] = torch.arange(rows.numel(), device=rows.device)
+    with_entropy = entropy_grad is not None
+    tile = tile_for(vocab_local, logits_2d.element_size())
+    _token_stats_bwd_kernel[(num_rows,)](
+        grad_out,
+        grad_out.stride(0),
+        logits_2d,
+        logits_2d.stride(0),
+        slots if slots is not None else lse,  # any pointer: unread without HAS_ROWS
+        ids,
+        (logp_grad + scores_grad).float().contiguous(),
+        logp_grad.float().sum(dim=1).contiguous(),
+        entropy_grad.float().contiguous() if with_entropy else lse,
+        lse,
+        mean_z,
+        vocab_local,
+        vocab_start,
+        1.0 / temperature,
+        J=ids.shape[1],
+        HAS_ROWS=rows is not None,
+        WITH_ENTROPY=with_entropy,
+        ROWS_PER_TILE=tile.rows_per_tile,
+        THREADS=tile.threads,
+        VEC=tile.vec,
+        J_BLOCK=triton.next_power_of_2(ids.shape[1]),
+        num_warps=tile.num_warps,
+    )
+    return grad_out
 
 
 def _zeros_if_none(grad, like):
     return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if grad is None else grad
+
+
+class _Settings(NamedTuple):
+    """The non-tensor arguments of one call, passed to the autograd Function as one value."""
+
+    temperature: float
+    with_entropy: bool
+    tp: object
+    vocab_start: int
+    inplace: bool
+
+
+class _TokenStatsFunction(torch.autograd.Function):
+    """Autograd over `logits` as the caller passed it ([T, V] or [1, T, V]): the 2-D view is taken
+    inside, so an in-place backward hands back the caller's own buffer with no view-backward copy."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, rows, settings: _Settings):
+        logits_2d = as_2d_logits(logits)
+        partials = row_partials(logits_2d, ids, rows, settings.vocab_start, settings.temperature, settings.with_entropy)
+        lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, settings.tp))
+        ctx.save_for_backward(logits, ids, rows, lse, mean_z)
+        ctx.settings = settings
+        return scores - lse.unsqueeze(1), entropy if settings.with_entropy else None, scores
+
+    @staticmethod
+    def backward(ctx, logp_grad, entropy_grad, scores_grad):
+        logits, ids, rows, lse, mean_z = ctx.saved_tensors
+        settings = ctx.settings
+        grad = logits if settings.inplace else torch.empty_like(logits)
+        logits_grad(
+            as_2d_logits(grad),
+            as_2d_logits(logits),
+            ids,
+            rows,
+            lse,
+            mean_z,
+            logp_grad,
+            entropy_grad if settings.with_entropy else None,
+            scores_grad,
+            settings.vocab_start,
+            settings.temperature,
+        )
+        return grad, None, None, None  # ids, rows and settings take no gradient
 
 
 def token_stats(
@@ -281,6 +432,11 @@ def token_stats(
     validate: check ids and rows values (one host sync each); shapes and dtypes are always checked.
 
     Returns `TokenStats(logp [N, J], entropy [N] or None, scores [N, J])`, float32.
+    Masked vocabularies: -inf logits are ordinary input (probability 0, gradient exactly 0), in
+    any column and on any TP rank, a whole shard included. A row with a NaN logit, a +inf logit
+    or no finite logit at all has no distribution: its logp and entropy are NaN (scores stay the
+    tempered logits), as is its gradient wherever the softmax term enters; other rows are
+    unaffected. The float64 reference gives the same.
     Differentiable with respect to logits. CPU tensors outside the Triton interpreter take the
     float64 eager reference.
     """
@@ -288,7 +444,7 @@ def token_stats(
     inputs = check_token_stats_inputs(
         logits, ids, temperature, rows, tp.size, tp.rank, validate, KERNEL_DTYPES
     )
-    if not uses_triton(inputs.logits):
+    if not uses_triton(inputs.logits, "token_stats"):
         return token_stats_reference(
             logits,
             ids,
@@ -298,16 +454,9 @@ def token_stats(
             rows=rows,
             validate=False,
         )
+    settings = _Settings(inputs.temperature, bool(with_entropy), tp, inputs.vocab_start, bool(inplace_backward))
     logp, entropy, scores = _TokenStatsFunction.apply(
-        logits,
-        inputs.logits,
-        inputs.ids.contiguous(),
-        None if inputs.rows is None else inputs.rows.contiguous(),
-        inputs.temperature,
-        bool(with_entropy),
-        tp,
-        inputs.vocab_start,
-        bool(inplace_backward),
+        logits, inputs.ids.contiguous(), None if inputs.rows is None else inputs.rows.contiguous(), settings
     )
     return TokenStats(logp, entropy, scores)
 
