@@ -1,8 +1,9 @@
-"""The contract shared by the fused token-statistics kernel and its eager reference.
+"""The input contracts of both ops, shared by each kernel and its eager reference.
 
-Both entry points accept the same arguments, reject the same bad input with the same message and
-return the same `TokenStats`, so the checks and the result type live here once. Every failure is a ValueError naming the argument, the
-first bad value and where it sits.
+Each entry point and its reference accept the same arguments and reject the same bad input with
+the same message, so the checks (and token_stats' result type) live here once, in one style: every
+failure is a ValueError naming the argument, the first bad value and where it sits, and survives
+`python -O` (no asserts).
 """
 
 import math
@@ -12,6 +13,7 @@ import torch
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
+SEGMENT_VALUE_DTYPES = KERNEL_DTYPES + (torch.float64,)
 
 
 class TokenStats(NamedTuple):
@@ -76,7 +78,7 @@ def check_token_stats_inputs(
         raise ValueError("logits must have at least one vocabulary column, got V_local = 0")
     if logits.stride(1) != 1:
         raise ValueError(f"logits' last dim must be contiguous, got strides {logits.stride()}")
-    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+    if not isinstance(ids, torch.Tensor) or not _is_integer(ids):
         raise ValueError(f"ids must be an integer tensor, got {getattr(ids, 'dtype', type(ids))}")
     if ids.dim() != 2:
         raise ValueError(f"ids must have shape [N, J], got {tuple(ids.shape)}")
@@ -103,7 +105,7 @@ def check_token_stats_inputs(
 
 def _check_rows(rows, num_rows: int, device, validate: bool) -> torch.Tensor:
     """rows: 1-D distinct integer indices into the logits' rows."""
-    if not isinstance(rows, torch.Tensor) or rows.dtype.is_floating_point or rows.dtype == torch.bool:
+    if not isinstance(rows, torch.Tensor) or not _is_integer(rows):
         raise ValueError(f"rows must be an integer tensor, got {getattr(rows, 'dtype', type(rows))}")
     if rows.dim() != 1:
         raise ValueError(f"rows must be 1-D, got shape {tuple(rows.shape)}")
@@ -120,3 +122,68 @@ def _check_rows(rows, num_rows: int, device, validate: bool) -> torch.Tensor:
             (i,) = _first_bad(repeated)
             raise ValueError(f"rows must be distinct, got row {int(sorted_rows[i])} more than once")
     return rows.long()
+
+
+def _is_integer(tensor: torch.Tensor) -> bool:
+    """Integer dtypes only: no floats, complex or bool."""
+    return not tensor.dtype.is_floating_point and not tensor.dtype.is_complex and tensor.dtype != torch.bool
+
+
+def _check_tensor(name: str, tensor, dims: int) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(tensor.shape)}")
+
+
+def check_segment_sum_inputs(values, mask, segment_ids, denominators, validate: bool) -> None:
+    """Shapes, dtypes and devices always; with `validate`, the values the kernel trusts (host syncs).
+
+    Every failure is a ValueError naming the argument and the first bad value.
+    """
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if values.dim() not in (1, 2):
+        raise ValueError(f"values must have shape [N] or [N, C], got {tuple(values.shape)}")
+    if values.dtype not in SEGMENT_VALUE_DTYPES:
+        raise ValueError(f"values dtype must be one of {SEGMENT_VALUE_DTYPES}, got {values.dtype}")
+    num_rows = values.shape[0]
+    _check_tensor("mask", mask, 1)
+    _check_tensor("segment_ids", segment_ids, 1)
+    _check_tensor("denominators", denominators, 1)
+    for name, tensor in (("mask", mask), ("segment_ids", segment_ids)):
+        if tensor.numel() != num_rows:
+            raise ValueError(f"{name} must have N = {num_rows} entries (values' rows), got {tensor.numel()}")
+    if mask.dtype.is_complex:
+        raise ValueError(f"mask must be real (bool, integer or float), got {mask.dtype}")
+    if not _is_integer(segment_ids):
+        raise ValueError(f"segment_ids must be an integer tensor, got {segment_ids.dtype}")
+    if denominators.dtype.is_complex or denominators.dtype == torch.bool:
+        raise ValueError(f"denominators must be real numbers, got {denominators.dtype}")
+    for name, tensor in (("mask", mask), ("segment_ids", segment_ids), ("denominators", denominators)):
+        if tensor.device != values.device:
+            raise ValueError(f"{name} is on {tensor.device} but values on {values.device}")
+    for name, tensor in (("mask", mask), ("denominators", denominators)):
+        if tensor.requires_grad:
+            raise ValueError(f"{name} must not require grad: it is a constant of the step, got requires_grad=True")
+    if validate:
+        _check_values(mask, segment_ids, denominators)
+
+
+def _check_values(mask, segment_ids, denominators) -> None:
+    num_segments = denominators.numel()
+    if segment_ids.numel() > 0:
+        bad = (segment_ids < 0) | (segment_ids >= num_segments)
+        if bool(bad.any()):
+            (i,) = _first_bad(bad)
+            raise ValueError(f"segment_ids must lie in [0, {num_segments}), got segment_ids[{i}] = {int(segment_ids[i])}")
+    if mask.dtype.is_floating_point and mask.numel() > 0:
+        bad = ~torch.isfinite(mask)
+        if bool(bad.any()):
+            (i,) = _first_bad(bad)
+            raise ValueError(f"mask must be finite, got mask[{i}] = {float(mask[i])}")
+    if num_segments > 0:
+        bad = ~(denominators > 0) | ~torch.isfinite(denominators.double())
+        if bool(bad.any()):
+            (i,) = _first_bad(bad)
+            raise ValueError(f"denominators must be finite and > 0, got denominators[{i}] = {float(denominators[i])}")

@@ -61,7 +61,10 @@ def token_stats_reference(
     scores = tempered.gather(1, inputs.ids)
     entropy = None
     if with_entropy:
-        entropy = -(log_probs.exp() * log_probs).sum(-1).to(out_dtype)
+        # -inf columns (masked vocabulary) add 0, not 0 * -inf; masked_fill, unlike where, also
+        # keeps that NaN out of the gradient. NaN logits stay NaN.
+        finite_log_probs = log_probs.masked_fill(log_probs == float("-inf"), 0.0)
+        entropy = -(log_probs.exp() * finite_log_probs).sum(-1).to(out_dtype)
     return TokenStats(logp.to(out_dtype), entropy, scores.to(out_dtype))
 
 

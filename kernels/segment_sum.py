@@ -17,13 +17,11 @@ pure elementwise write; the mask and denominators are constants of the step and 
 """
 
 import torch
-import triton
-import triton.language as tl
 
+from ._contract import check_segment_sum_inputs
+from ._dispatch import tl, triton, uses_triton
 from .reference import segment_sum_reference
-from .token_stats import uses_triton
 
-VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BLOCK_ELEMENTS = 4096  # rows * channels handled by one program
 MAX_BLOCK_CHANNELS = 16
 PARTIALS_PER_STEP = 16  # partial rows the final reduction adds per loop step
@@ -186,74 +184,6 @@ class _SegmentSumFunction(torch.autograd.Function):
         return grad_values, None, None, None
 
 
-def _is_integer(tensor: torch.Tensor) -> bool:
-    return not tensor.dtype.is_floating_point and not tensor.dtype.is_complex and tensor.dtype != torch.bool
-
-
-def _check_tensor(name: str, tensor, dims: int) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() != dims:
-        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(tensor.shape)}")
-
-
-def _first_bad_index(bad: torch.Tensor) -> int:
-    return int(bad.nonzero()[0, 0])
-
-
-def check_segment_sum_inputs(values, mask, segment_ids, denominators, validate: bool) -> None:
-    """Shapes, dtypes and devices always; with `validate`, the values the kernel trusts (host syncs).
-
-    Every failure is a ValueError naming the argument and the first bad value.
-    """
-    if not isinstance(values, torch.Tensor):
-        raise ValueError(f"values must be a torch.Tensor, got {type(values).__name__}")
-    if values.dim() not in (1, 2):
-        raise ValueError(f"values must have shape [N] or [N, C], got {tuple(values.shape)}")
-    if values.dtype not in VALUE_DTYPES:
-        raise ValueError(f"values dtype must be one of {VALUE_DTYPES}, got {values.dtype}")
-    num_rows = values.shape[0]
-    _check_tensor("mask", mask, 1)
-    _check_tensor("segment_ids", segment_ids, 1)
-    _check_tensor("denominators", denominators, 1)
-    for name, tensor in (("mask", mask), ("segment_ids", segment_ids)):
-        if tensor.numel() != num_rows:
-            raise ValueError(f"{name} must have N = {num_rows} entries (values' rows), got {tensor.numel()}")
-    if mask.dtype.is_complex:
-        raise ValueError(f"mask must be real (bool, integer or float), got {mask.dtype}")
-    if not _is_integer(segment_ids):
-        raise ValueError(f"segment_ids must be an integer tensor, got {segment_ids.dtype}")
-    if denominators.dtype.is_complex or denominators.dtype == torch.bool:
-        raise ValueError(f"denominators must be real numbers, got {denominators.dtype}")
-    for name, tensor in (("mask", mask), ("segment_ids", segment_ids), ("denominators", denominators)):
-        if tensor.device != values.device:
-            raise ValueError(f"{name} is on {tensor.device} but values on {values.device}")
-    for name, tensor in (("mask", mask), ("denominators", denominators)):
-        if tensor.requires_grad:
-            raise ValueError(f"{name} must not require grad: it is a constant of the step, got requires_grad=True")
-    if validate:
-        _check_values(mask, segment_ids, denominators)
-
-
-def _check_values(mask, segment_ids, denominators) -> None:
-    num_segments = denominators.numel()
-    if segment_ids.numel() > 0:
-        bad = (segment_ids < 0) | (segment_ids >= num_segments)
-        if bool(bad.any()):
-            i = _first_bad_index(bad)
-            raise ValueError(f"segment_ids must lie in [0, {num_segments}), got segment_ids[{i}] = {int(segment_ids[i])}")
-    if mask.dtype.is_floating_point and mask.numel() > 0:
-        bad = ~torch.isfinite(mask)
-        if bool(bad.any()):
-            i = _first_bad_index(bad)
-            raise ValueError(f"mask must be finite, got mask[{i}] = {float(mask[i])}")
-    if num_segments > 0:
-        bad = ~(denominators > 0) | ~torch.isfinite(denominators.double())
-        if bool(bad.any()):
-            i = _first_bad_index(bad)
-            raise ValueError(f"denominators must be finite and > 0, got denominators[{i}] = {float(denominators[i])}")
-
-
 def segment_sum(values, mask, segment_ids, denominators, *, validate=True) -> torch.Tensor:
     """Per channel, the sum over segments s of (masked sum of the segment's values) / D_s.
 
@@ -269,7 +199,7 @@ def segment_sum(values, mask, segment_ids, denominators, *, validate=True) -> to
     outside the Triton interpreter take the float64 eager reference.
     """
     check_segment_sum_inputs(values, mask, segment_ids, denominators, validate)
-    if not uses_triton(values):
+    if not uses_triton(values, "segment_sum"):
         return segment_sum_reference(values, mask, segment_ids, denominators)
     accumulate = torch.promote_types(values.dtype, torch.float32)
     matrix = values if values.dim() == 2 else values.unsqueeze(1)

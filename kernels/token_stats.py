@@ -12,23 +12,17 @@ read-modify-write of the target column would lose it), and the softmax term skip
 coefficients vanish (a purely centred score on a fresh token).
 """
 
-import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import triton
-import triton.language as tl
 
-from ._contract import KERNEL_DTYPES, TokenStats, check_token_stats_inputs
+from ._contract import KERNEL_DTYPES, TokenStats, as_2d_logits, check_token_stats_inputs
+from ._dispatch import tl, triton, uses_triton
 from ._tp import resolve_tp
 from .reference import token_stats_reference
 
 MAX_BLOCK_V = 4096
-
-
-def uses_triton(tensor: torch.Tensor) -> bool:
-    """CUDA tensors run the Triton kernels; CPU tensors only under the Triton interpreter."""
-    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _block_v(vocab_local: int) -> int:
@@ -67,14 +61,17 @@ def _token_stats_fwd_kernel(
         z = tl.load(row_ptr + cols, mask=cols < vocab_local, other=float("-inf"))
         z = z.to(tl.float32) * inv_temperature
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
-        rescale = tl.exp(running_max - new_max)
-        shifted = z - new_max
+        # While every column so far is -inf the sums are 0 around any finite reference point;
+        # 0 keeps exp(-inf - -inf) = NaN out of the rescale.
+        reference = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(running_max - reference)
+        shifted = z - reference
         e = tl.exp(shifted)
         if WITH_ENTROPY:
             # Moving the reference point from the old max to the new one shifts every term by
-            # (old - new); the guard keeps 0 * -inf out of the first block.
-            moved = exp_sum * tl.where(exp_sum > 0, running_max - new_max, 0.0)
-            block_centred = tl.sum(e * tl.where(e > 0, shifted, 0.0), axis=0)
+            # (old - new); the guards keep 0 * -inf out (empty sums, -inf columns), not NaN.
+            moved = exp_sum * tl.where(exp_sum == 0.0, 0.0, running_max - reference)
+            block_centred = tl.sum(e * tl.where(z == float("-inf"), 0.0, shifted), axis=0)
             centred_sum = rescale * (centred_sum + moved) + block_centred
         exp_sum = exp_sum * rescale + tl.sum(e, axis=0)
         running_max = new_max
@@ -141,7 +138,7 @@ def _token_stats_bwd_kernel(
             p = tl.exp(z - lse)
             grad = -logp_grad_sum * p
             if WITH_ENTROPY:
-                grad -= entropy_grad * p * (z - mean_z)
+                grad -= entropy_grad * tl.where(z == float("-inf"), 0.0, p * (z - mean_z))
         # Each id lands in one block: a scalar range test per (block, slot) keeps the one-hot
         # work at O(J * BLOCK_V) per row rather than O(J * V), so large top-p supports stay cheap.
         for j in range(J):
@@ -153,18 +150,22 @@ def _token_stats_bwd_kernel(
         tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
 
 
-def _row_partials(logits, ids, rows, vocab_start, temperature, with_entropy):
-    """Forward kernel launch: [N, 3 + J] fp32 partials of this rank's vocabulary shard."""
+def row_partials(logits_2d, ids, rows, vocab_start, temperature, with_entropy) -> torch.Tensor:
+    """This rank's per-row partials, [N, P] fp32: the forward kernel launch.
+
+    Row i of the result belongs to logits row `rows[i]` (row i when `rows` is None) and ids[i];
+    partials of all ranks go through `all_rank_partials` and `combine_partials`.
+    """
     num_out, num_ids = ids.shape
-    partials = torch.empty((num_out, 3 + num_ids), dtype=torch.float32, device=logits.device)
+    partials = torch.empty((num_out, 3 + num_ids), dtype=torch.float32, device=logits_2d.device)
     if num_out == 0:
         return partials
-    vocab_local = logits.shape[1]
+    vocab_local = logits_2d.shape[1]
     _token_stats_fwd_kernel[(num_out,)](
-        logits,
-        logits.stride(0),
+        logits_2d,
+        logits_2d.stride(0),
         ids,
-        rows if rows is not None else ids,
+        rows if rows is not None else ids,  # any pointer: unread without HAS_ROWS
         partials,
         vocab_local,
         vocab_start,
@@ -178,24 +179,8 @@ def _row_partials(logits, ids, rows, vocab_start, temperature, with_entropy):
     return partials
 
 
-def _combine_partials(partials: torch.Tensor):
-    """Merge per-rank partials [tp, N, 3 + J] into lse, mean tempered logit, entropy and scores."""
-    rank_max, rank_sum, rank_centred = partials[..., 0], partials[..., 1], partials[..., 2]
-    row_max = rank_max.max(dim=0).values
-    weight = torch.exp(rank_max - row_max)
-    exp_sum = (weight * rank_sum).sum(dim=0)
-    centred_sum = (weight * (rank_centred + rank_sum * (rank_max - row_max))).sum(dim=0)
-    log_exp_sum = torch.log(exp_sum)
-    centred_mean = centred_sum / exp_sum
-    lse = row_max + log_exp_sum
-    mean_z = row_max + centred_mean
-    entropy = log_exp_sum - centred_mean
-    scores = partials[..., 3:].sum(dim=0)
-    return lse, mean_z, entropy, scores
-
-
-def _all_rank_partials(partials: torch.Tensor, tp) -> torch.Tensor:
-    """[tp, N, 3 + J]: the one collective of the forward (skipped when the vocabulary is whole)."""
+def all_rank_partials(partials: torch.Tensor, tp) -> torch.Tensor:
+    """[tp, N, P]: the one collective of the forward (skipped when the vocabulary is whole)."""
     if tp.group is None:
         return partials.unsqueeze(0)
     gathered = [torch.empty_like(partials) for _ in range(tp.size)]
@@ -203,57 +188,115 @@ def _all_rank_partials(partials: torch.Tensor, tp) -> torch.Tensor:
     return torch.stack(gathered)
 
 
-class _TokenStatsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, logits_2d, ids, rows, temperature, with_entropy, tp, vocab_start, inplace):
-        partials = _row_partials(logits_2d, ids, rows, vocab_start, temperature, with_entropy)
-        lse, mean_z, entropy, scores = _combine_partials(_all_rank_partials(partials, tp))
-        ctx.save_for_backward(logits_2d, ids, rows, lse, mean_z)
-        ctx.logits_shape = logits.shape
-        ctx.temperature, ctx.with_entropy = temperature, with_entropy
-        ctx.vocab_start, ctx.inplace = vocab_start, inplace
-        ctx.mark_non_differentiable(lse)
-        return scores - lse.unsqueeze(1), entropy if with_entropy else None, scores
+def combine_partials(partials_all: torch.Tensor):
+    """(lse [N], mean_z [N], entropy [N], scores [N, J]) from all ranks' partials [tp, N, P].
 
-    @staticmethod
-    def backward(ctx, logp_grad, entropy_grad, scores_grad):
-        logits_2d, ids, rows, lse, mean_z = ctx.saved_tensors
-        logp_grad = _zeros_if_none(logp_grad, ids)
-        scores_grad = _zeros_if_none(scores_grad, ids)
-        with_entropy = ctx.with_entropy and entropy_grad is not None
-        grad = logits_2d if ctx.inplace else torch.empty_like(logits_2d)
-        num_rows, vocab_local = logits_2d.shape
-        slots = None
-        if rows is not None:
-            slots = torch.full((num_rows,), -1, dtype=torch.int64, device=rows.device)
-            slots[rows] = torch.arange(rows.numel(), device=rows.device)
-        if num_rows > 0:
-            _token_stats_bwd_kernel[(num_rows,)](
-                grad,
-                grad.stride(0),
-                logits_2d,
-                logits_2d.stride(0),
-                slots if slots is not None else lse,
-                ids,
-                (logp_grad + scores_grad).float().contiguous(),
-                logp_grad.float().sum(dim=1).contiguous(),
-                entropy_grad.float().contiguous() if with_entropy else lse,
-                lse,
-                mean_z,
-                vocab_local,
-                ctx.vocab_start,
-                1.0 / ctx.temperature,
-                J=ids.shape[1],
-                HAS_ROWS=rows is not None,
-                WITH_ENTROPY=with_entropy,
-                BLOCK_V=_block_v(vocab_local),
-                num_warps=8,
-            )
-        return grad.view(ctx.logits_shape), None, None, None, None, None, None, None, None
+    Natural-log units: `logp = scores - lse[:, None]`; mean_z is E_p[z / temperature].
+    """
+    rank_max, rank_sum, rank_centred = partials_all[..., 0], partials_all[..., 1], partials_all[..., 2]
+    row_max = rank_max.max(dim=0).values
+    weight = torch.exp(rank_max - row_max)
+    # A rank whose shard is all -inf has rank_sum = 0 and rank_max = -inf: its shift is 0, not NaN.
+    shift = torch.where(rank_sum == 0, 0.0, rank_sum * (rank_max - row_max))
+    exp_sum = (weight * rank_sum).sum(dim=0)
+    centred_sum = (weight * (rank_centred + shift)).sum(dim=0)
+    log_exp_sum = torch.log(exp_sum)
+    centred_mean = centred_sum / exp_sum
+    lse = row_max + log_exp_sum
+    mean_z = row_max + centred_mean
+    entropy = log_exp_sum - centred_mean
+    scores = partials_all[..., 3:].sum(dim=0)
+    return lse, mean_z, entropy, scores
+
+
+def logits_grad(
+    grad_out, logits_2d, ids, rows, lse, mean_z, logp_grad, entropy_grad, scores_grad, vocab_start, temperature
+) -> torch.Tensor:
+    """The backward kernel launch: writes every element of grad_out [T, V_local] and returns it.
+
+    grad_out may be `logits_2d` itself (in-place). Rows not in `rows` get zeros. `logp_grad` and
+    `scores_grad` are [N, J] (None: zero); `entropy_grad` is [N] or None (no entropy term).
+    """
+    logp_grad = _zeros_if_none(logp_grad, ids)
+    scores_grad = _zeros_if_none(scores_grad, ids)
+    num_rows, vocab_local = logits_2d.shape
+    if num_rows == 0:
+        return grad_out
+    slots = None
+    if rows is not None:
+        slots = torch.full((num_rows,), -1, dtype=torch.int64, device=rows.device)
+        slots[rows] = torch.arange(rows.numel(), device=rows.device)
+    with_entropy = entropy_grad is not None
+    _token_stats_bwd_kernel[(num_rows,)](
+        grad_out,
+        grad_out.stride(0),
+        logits_2d,
+        logits_2d.stride(0),
+        slots if slots is not None else lse,  # any pointer: unread without HAS_ROWS
+        ids,
+        (logp_grad + scores_grad).float().contiguous(),
+        logp_grad.float().sum(dim=1).contiguous(),
+        entropy_grad.float().contiguous() if with_entropy else lse,
+        lse,
+        mean_z,
+        vocab_local,
+        vocab_start,
+        1.0 / temperature,
+        J=ids.shape[1],
+        HAS_ROWS=rows is not None,
+        WITH_ENTROPY=with_entropy,
+        BLOCK_V=_block_v(vocab_local),
+        num_warps=8,
+    )
+    return grad_out
 
 
 def _zeros_if_none(grad, like):
     return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if grad is None else grad
+
+
+class _Settings(NamedTuple):
+    """The non-tensor arguments of one call, passed to the autograd Function as one value."""
+
+    temperature: float
+    with_entropy: bool
+    tp: object
+    vocab_start: int
+    inplace: bool
+
+
+class _TokenStatsFunction(torch.autograd.Function):
+    """Autograd over `logits` as the caller passed it ([T, V] or [1, T, V]): the 2-D view is taken
+    inside, so an in-place backward hands back the caller's own buffer with no view-backward copy."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, rows, settings: _Settings):
+        logits_2d = as_2d_logits(logits)
+        partials = row_partials(logits_2d, ids, rows, settings.vocab_start, settings.temperature, settings.with_entropy)
+        lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, settings.tp))
+        ctx.save_for_backward(logits, ids, rows, lse, mean_z)
+        ctx.settings = settings
+        return scores - lse.unsqueeze(1), entropy if settings.with_entropy else None, scores
+
+    @staticmethod
+    def backward(ctx, logp_grad, entropy_grad, scores_grad):
+        logits, ids, rows, lse, mean_z = ctx.saved_tensors
+        settings = ctx.settings
+        grad = logits if settings.inplace else torch.empty_like(logits)
+        logits_grad(
+            as_2d_logits(grad),
+            as_2d_logits(logits),
+            ids,
+            rows,
+            lse,
+            mean_z,
+            logp_grad,
+            entropy_grad if settings.with_entropy else None,
+            scores_grad,
+            settings.vocab_start,
+            settings.temperature,
+        )
+        return grad, None, None, None  # ids, rows and settings take no gradient
 
 
 def token_stats(
@@ -281,6 +324,11 @@ def token_stats(
     validate: check ids and rows values (one host sync each); shapes and dtypes are always checked.
 
     Returns `TokenStats(logp [N, J], entropy [N] or None, scores [N, J])`, float32.
+    Masked vocabularies: -inf logits are ordinary input (probability 0, gradient exactly 0), in
+    any column and on any TP rank, a whole shard included. A row with a NaN logit, a +inf logit
+    or no finite logit at all has no distribution: its logp and entropy are NaN (scores stay the
+    tempered logits), as is its gradient wherever the softmax term enters; other rows are
+    unaffected. The float64 reference gives the same.
     Differentiable with respect to logits. CPU tensors outside the Triton interpreter take the
     float64 eager reference.
     """
@@ -288,7 +336,7 @@ def token_stats(
     inputs = check_token_stats_inputs(
         logits, ids, temperature, rows, tp.size, tp.rank, validate, KERNEL_DTYPES
     )
-    if not uses_triton(inputs.logits):
+    if not uses_triton(inputs.logits, "token_stats"):
         return token_stats_reference(
             logits,
             ids,
@@ -298,16 +346,9 @@ def token_stats(
             rows=rows,
             validate=False,
         )
+    settings = _Settings(inputs.temperature, bool(with_entropy), tp, inputs.vocab_start, bool(inplace_backward))
     logp, entropy, scores = _TokenStatsFunction.apply(
-        logits,
-        inputs.logits,
-        inputs.ids.contiguous(),
-        None if inputs.rows is None else inputs.rows.contiguous(),
-        inputs.temperature,
-        bool(with_entropy),
-        tp,
-        inputs.vocab_start,
-        bool(inplace_backward),
+        logits, inputs.ids.contiguous(), None if inputs.rows is None else inputs.rows.contiguous(), settings
     )
     return TokenStats(logp, entropy, scores)
 

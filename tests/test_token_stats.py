@@ -168,6 +168,12 @@ def test_inplace_backward_writes_the_same_gradient_into_logits(dtype):
     assert grad.data_ptr() == buffer.data_ptr()
     assert torch.equal(grad, expected)
 
+    batched = base.clone()[None].requires_grad_(True)  # slime's [1, T, V]: no copy either
+    stats = token_stats(batched, ids[:4], inplace_backward=True, **kwargs)
+    (grad,) = torch.autograd.grad(loss_of(stats, grads), batched)
+    assert grad.data_ptr() == batched.data_ptr()
+    assert torch.equal(grad[0], expected)
+
 
 def test_centred_score_gradient_has_no_softmax_leakage():
     """d(scores_0 - mean_k scores_k) is exactly (e_a - mean_k e_vk) / tau: no lse, no softmax."""
