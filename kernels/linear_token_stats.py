@@ -24,8 +24,9 @@ import math
 import torch
 
 from ._contract import KERNEL_DTYPES, TokenStats, check_token_stats_inputs
+from ._dispatch import uses_triton
 from ._tp import resolve_tp
-from .token_stats import all_rank_partials, combine_partials, logits_grad, row_partials, token_stats, uses_triton
+from .token_stats import all_rank_partials, combine_partials, logits_grad, row_partials, token_stats
 
 CHUNK_SHARE_OF_ROWS = 32
 MIN_CHUNK_ROWS = 1024
@@ -195,7 +196,7 @@ def linear_token_stats(
     inputs = check_token_stats_inputs(
         _logits_stand_in(hidden, weight), ids, temperature, rows, tp.size, tp.rank, validate, KERNEL_DTYPES
     )
-    if not uses_triton(hidden):
+    if not uses_triton(hidden, "linear_token_stats"):
         return token_stats(
             hidden @ weight.t(),
             ids,
