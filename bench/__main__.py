@@ -20,7 +20,7 @@ def _bool_choices(text):
 
 
 def parse_args(argv):
-    from .cases import DTYPES, OPS, PHASES
+    from .cases import DEFAULT_OPS, DTYPES, OPS, PHASES
     from .subjects import SUBJECT_NAMES
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
@@ -33,8 +33,9 @@ def parse_args(argv):
     parser.add_argument("--ids-per-row", "-J", type=int, nargs="+", help="J values")
     parser.add_argument("--entropy", choices=("on", "off", "both"), help="compute the entropy")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--op", nargs="+", choices=OPS, default=list(OPS),
-                        help="token_stats: log-probs/entropy kernel; segment_sum: aggregation kernel")
+    parser.add_argument("--op", nargs="+", choices=OPS, default=list(DEFAULT_OPS),
+                        help="token_stats: log-probs/entropy kernel; segment_sum: aggregation kernel; "
+                             "linear_token_stats: the LM head fused with token_stats (not in the default)")
     parser.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--subjects", nargs="+", choices=SUBJECT_NAMES, default=list(SUBJECT_NAMES),
                         help="implementations to measure (fused is always included)")
@@ -78,6 +79,10 @@ def select_cases(args, gpu: bool):
             cases += default_cases(grid, args.temperature)
     if "segment_sum" in args.op:
         cases += [SegmentCase(tokens) for tokens in args.tokens or SEGMENT_TOKENS]
+    if "linear_token_stats" in args.op:  # the LM head at the token-statistics shapes
+        from .linear_token_stats_op import head_cases
+
+        cases += head_cases(select_cases(argparse.Namespace(**dict(vars(args), op=["token_stats"])), gpu), gpu)
     return cases
 
 

@@ -182,7 +182,7 @@ def test_one_chunk_of_logits_is_alive_at_a_time(rows):
 
 def test_default_chunk_rows_follows_its_stated_rules():
     vocab, itemsize = 151936, 2
-    assert default_chunk_rows(16384, vocab, itemsize) == 1024  # floor of 1024 rows beats T / 32
+    assert default_chunk_rows(16384, vocab, itemsize) == 768  # the floor of 768 rows beats T / 32
     assert default_chunk_rows(65536, vocab, itemsize) == 2048  # T / 32
     assert default_chunk_rows(300, vocab, itemsize) == 300  # fewer rows than the floor: one chunk
     assert default_chunk_rows(0, vocab, itemsize) == 1
