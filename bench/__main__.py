@@ -40,6 +40,8 @@ def parse_args(argv):
     parser.add_argument("--subjects", nargs="+", choices=SUBJECT_NAMES, default=list(SUBJECT_NAMES),
                         help="implementations to measure (fused is always included)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
+    parser.add_argument("--static", action="store_true",
+                        help="no timing: the sm_90 static cost model of every kernel variant (CPU, bench/static.py)")
     return parser.parse_args(argv)  # fmt: skip
 
 
@@ -89,6 +91,10 @@ def select_cases(args, gpu: bool):
 def main(argv=None):
     """Run the benchmark; returns the records (one per case, phase and subject)."""
     args = parse_args(argv)
+    if args.static:
+        from .static import run
+
+        return run(args.results_dir)
     device = pick_device(args.device)
     gpu = device.type == "cuda"
     from . import report

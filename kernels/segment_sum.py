@@ -126,62 +126,74 @@ def _blocks(num_channels: int):
     return BLOCK_ELEMENTS // block_channels, block_channels
 
 
+def segment_sum_forward(values, mask, segment_ids, denominators) -> torch.Tensor:
+    """The forward kernel launches on checked, converted inputs: values [N, C] (any strides), mask
+    and denominators in the accumulation dtype, int64 segment ids; returns [C] in that dtype."""
+    num_rows, num_channels = values.shape
+    block_rows, block_channels = _blocks(num_channels)
+    row_blocks = triton.cdiv(num_rows, block_rows)
+    channel_blocks = triton.cdiv(num_channels, block_channels)
+    partials = torch.empty((row_blocks, num_channels), dtype=denominators.dtype, device=values.device)
+    out = torch.empty((num_channels,), dtype=denominators.dtype, device=values.device)
+    if num_rows > 0 and num_channels > 0:
+        _segment_sum_partials_kernel[(row_blocks, channel_blocks)](
+            values,
+            values.stride(0),
+            values.stride(1),
+            mask,
+            segment_ids,
+            denominators,
+            partials,
+            num_rows,
+            num_channels,
+            BLOCK_ROWS=block_rows,
+            BLOCK_CHANNELS=block_channels,
+        )
+    if num_channels > 0:
+        _sum_partials_kernel[(channel_blocks,)](
+            partials,
+            out,
+            row_blocks,
+            num_channels,
+            BLOCK_PARTIALS=PARTIALS_PER_STEP,
+            BLOCK_CHANNELS=block_channels,
+        )
+    return out
+
+
+def values_grad(grad_out, mask, segment_ids, denominators, values_dtype) -> torch.Tensor:
+    """The backward kernel launch: dx [N, C] in `values_dtype`, dx[i, c] = g[c] * m[i] / D_s(i)."""
+    num_rows, num_channels = mask.numel(), grad_out.numel()
+    grad_values = torch.empty((num_rows, num_channels), dtype=values_dtype, device=mask.device)
+    if num_rows > 0 and num_channels > 0:
+        block_rows, block_channels = _blocks(num_channels)
+        grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(num_channels, block_channels))
+        _segment_sum_bwd_kernel[grid](
+            grad_out.to(denominators.dtype).contiguous(),
+            mask,
+            segment_ids,
+            denominators,
+            grad_values,
+            num_rows,
+            num_channels,
+            BLOCK_ROWS=block_rows,
+            BLOCK_CHANNELS=block_channels,
+        )
+    return grad_values
+
+
 class _SegmentSumFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, mask, segment_ids, denominators):
-        num_rows, num_channels = values.shape
-        block_rows, block_channels = _blocks(num_channels)
-        row_blocks = triton.cdiv(num_rows, block_rows)
-        channel_blocks = triton.cdiv(num_channels, block_channels)
-        partials = torch.empty((row_blocks, num_channels), dtype=denominators.dtype, device=values.device)
-        out = torch.empty((num_channels,), dtype=denominators.dtype, device=values.device)
-        if num_rows > 0 and num_channels > 0:
-            _segment_sum_partials_kernel[(row_blocks, channel_blocks)](
-                values,
-                values.stride(0),
-                values.stride(1),
-                mask,
-                segment_ids,
-                denominators,
-                partials,
-                num_rows,
-                num_channels,
-                BLOCK_ROWS=block_rows,
-                BLOCK_CHANNELS=block_channels,
-            )
-        if num_channels > 0:
-            _sum_partials_kernel[(channel_blocks,)](
-                partials,
-                out,
-                row_blocks,
-                num_channels,
-                BLOCK_PARTIALS=PARTIALS_PER_STEP,
-                BLOCK_CHANNELS=block_channels,
-            )
         ctx.save_for_backward(mask, segment_ids, denominators)
         ctx.values_dtype = values.dtype
-        return out
+        return segment_sum_forward(values, mask, segment_ids, denominators)
 
     @staticmethod
     def backward(ctx, grad_out):
         mask, segment_ids, denominators = ctx.saved_tensors
-        num_rows, num_channels = mask.numel(), grad_out.numel()
-        grad_values = torch.empty((num_rows, num_channels), dtype=ctx.values_dtype, device=mask.device)
-        if num_rows > 0 and num_channels > 0:
-            block_rows, block_channels = _blocks(num_channels)
-            grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(num_channels, block_channels))
-            _segment_sum_bwd_kernel[grid](
-                grad_out.to(denominators.dtype).contiguous(),
-                mask,
-                segment_ids,
-                denominators,
-                grad_values,
-                num_rows,
-                num_channels,
-                BLOCK_ROWS=block_rows,
-                BLOCK_CHANNELS=block_channels,
-            )
-        return grad_values, None, None, None
+        # mask, segment ids and denominators are constants of the step: no gradient
+        return values_grad(grad_out, mask, segment_ids, denominators, ctx.values_dtype), None, None, None
 
 
 def segment_sum(values, mask, segment_ids, denominators, *, validate=True) -> torch.Tensor:

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from numerics import rel_err
-from sm90 import compile_for_hopper
+from sm90 import Launch, compile_for_hopper
 
 from fusedrl.kernels.reference import segment_sum_reference
 from fusedrl.kernels.segment_sum import segment_sum
@@ -209,25 +209,12 @@ def test_validation_can_be_switched_off_for_values_not_shapes():
 
 def test_kernels_compile_for_hopper():
     """Every kernel, for each values dtype with its accumulation dtype, one and several channel blocks."""
-    module = "fusedrl.kernels.segment_sum"
-    jobs = []
-    for dtype, acc in [("fp32", "fp32"), ("bf16", "fp32"), ("fp16", "fp32"), ("fp64", "fp64")]:
-        weights = {"mask_ptr": f"*{acc}", "segment_ptr": "*i64", "denom_ptr": f"*{acc}"}
-        counts = {"num_rows": "i32", "num_channels": "i32"}
-        kernels = [
-            ("_segment_sum_partials_kernel",
-             {"values_ptr": f"*{dtype}", "stride_row": "i64", "stride_channel": "i64", **weights,
-              "partials_ptr": f"*{acc}", **counts}),
-            ("_sum_partials_kernel",
-             {"partials_ptr": f"*{acc}", "out_ptr": f"*{acc}", "num_blocks": "i32", "num_channels": "i32"}),
-            ("_segment_sum_bwd_kernel",
-             {"grad_out_ptr": f"*{acc}", **weights, "grad_values_ptr": f"*{dtype}", **counts}),
-        ]
-        for block_rows, block_channels in [(4096, 1), (256, 16)] if dtype == "fp32" else [(4096, 1)]:
-            for kernel, signature in kernels:
-                if kernel == "_sum_partials_kernel":
-                    constexprs = dict(BLOCK_PARTIALS=16, BLOCK_CHANNELS=block_channels)
-                else:
-                    constexprs = dict(BLOCK_ROWS=block_rows, BLOCK_CHANNELS=block_channels)
-                jobs.append(dict(module=module, kernel=kernel, signature=signature, constexprs=constexprs, num_warps=4))
-    compile_for_hopper(jobs)
+    launches = [
+        Launch(f"segment_sum {phase} {dtype} C={channels}", f"bench.static_launches:segment_sum_{phase}",
+               dict(dtype=dtype, channels=channels, tokens=5000))
+        for phase in ("forward", "backward")
+        for dtype in ("fp32", "bf16", "fp16", "fp64")
+        for channels in ((1, 40) if dtype == "fp32" else (1,))
+    ]  # fmt: skip
+    kernels = {row["kernel"] for row in compile_for_hopper(launches)}
+    assert kernels == {"_segment_sum_partials_kernel", "_sum_partials_kernel", "_segment_sum_bwd_kernel"}

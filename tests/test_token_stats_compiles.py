@@ -1,35 +1,14 @@
-"""The token-statistics kernels compile to sm_90 cubins for every feature switch and dtype."""
+"""The token-statistics kernels compile to sm_90 cubins for every feature switch and dtype, and
+the static cost model reads a main loop with 128-bit loads out of each."""
 
-from sm90 import compile_for_hopper
-
-MODULE = "fusedrl.kernels.token_stats"
-
-
-def forward_signature(dtype):
-    return {
-        "logits_ptr": f"*{dtype}", "stride_row": "i64", "ids_ptr": "*i64", "rows_ptr": "*i64",
-        "partials_ptr": "*fp32", "vocab_local": "i32", "vocab_start": "i32", "inv_temperature": "fp32",
-    }
+from sm90 import compile_for_hopper, shipped
 
 
-def backward_signature(dtype):
-    return {
-        "grad_ptr": f"*{dtype}", "stride_grad_row": "i64", "logits_ptr": f"*{dtype}",
-        "stride_row": "i64", "slots_ptr": "*i64", "ids_ptr": "*i64", "scatter_coef_ptr": "*fp32",
-        "logp_grad_sum_ptr": "*fp32", "entropy_grad_ptr": "*fp32", "lse_ptr": "*fp32",
-        "mean_z_ptr": "*fp32", "vocab_local": "i32", "vocab_start": "i32", "inv_temperature": "fp32",
-    }
+def test_kernels_compile_for_hopper_with_a_streamed_main_loop():
+    def corners(kwargs):  # every dtype with all switches off and all on
+        return (kwargs["ids_per_row"], kwargs["entropy"], kwargs["rows"]) in [(1, False, False), (9, True, True)]
 
-
-def test_kernels_compile_for_hopper():
-    jobs = []
-    for dtype in ["fp32", "bf16", "fp16"]:
-        for num_ids, has_rows, with_entropy in [(1, False, False), (9, True, True)]:
-            switches = dict(J=num_ids, HAS_ROWS=has_rows, WITH_ENTROPY=with_entropy, BLOCK_V=4096)
-            for kernel, signature in [
-                ("_token_stats_fwd_kernel", forward_signature(dtype)),
-                ("_token_stats_bwd_kernel", backward_signature(dtype)),
-            ]:
-                jobs.append(dict(module=MODULE, kernel=kernel, signature=signature,
-                                 constexprs=switches, num_warps=8))
-    compile_for_hopper(jobs)
+    rows = compile_for_hopper(shipped("token_stats", corners))
+    assert len(rows) == 12
+    for row in rows:
+        assert row["loop"] and row["widest_load_bits"] == 128, row

@@ -1,0 +1,171 @@
+"""`python -m bench --static`: a static Hopper cost model of every kernel variant, on CPU.
+
+Each variant is compiled for sm_90 from the shipped host functions at production shape
+(bench/static_launches.py, bench/static_compile.py) and its SASS read (bench/static_sass.py).
+Reported per kernel: registers, local memory (spills), shared memory, CTAs per SM and occupancy,
+and per element of the main loop: instructions, MUFU (ex2/lg2), barriers and shuffles; the widest
+global load and store; and the issue-bound ceiling, the bandwidth at which the SM's instruction
+issue (4 warp-instructions per clock) runs out, next to the 4.3 TB/s a device-to-device copy
+reaches on an H200. A kernel under that line cannot be memory-bound.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+# H200 (sm_90): SMs, boost clock, warp-instructions issued per SM per clock, copy bandwidth.
+SMS = 132
+CLOCK_HZ = 1.98e9
+ISSUE_PER_CLOCK = 4
+COPY_TBPS = 4.3
+# Per-SM limits that bound occupancy.
+REGISTERS_PER_SM = 65536
+REGISTER_UNIT = 256  # registers are allocated per warp in units of 256
+MAX_WARPS_PER_SM = 64
+MAX_CTAS_PER_SM = 32
+SHARED_PER_SM = 228 * 1024
+SHARED_RESERVED_PER_CTA = 1024
+
+TOKENS, VOCAB_LOCAL = 16384, 151936  # a 16k-token micro-batch of Qwen's vocabulary at tp = 1
+SEGMENT_TOKENS = 16384
+
+
+class Launch(NamedTuple):
+    label: str
+    call: str  # "module:function" called with kwargs in the compile process
+    kwargs: dict
+
+
+def shipped_launches() -> list:
+    """Every variant the wrappers can launch, at production shape."""
+    launches = []
+    for phase in ("forward", "backward"):
+        for dtype in ("fp32", "bf16", "fp16"):
+            for ids_per_row in (1, 9):
+                for entropy in (False, True):
+                    for rows in (False, True):
+                        label = f"token_stats {phase} {dtype} J={ids_per_row}" + " entropy" * entropy + " rows" * rows
+                        kwargs = dict(dtype=dtype, ids_per_row=ids_per_row, entropy=entropy, rows=rows,
+                                      tokens=TOKENS, vocab=VOCAB_LOCAL)  # fmt: skip
+                        launches.append(Launch(label, f"bench.static_launches:token_stats_{phase}", kwargs))
+    for phase in ("forward", "backward"):
+        for dtype in ("fp32", "bf16"):
+            for channels in (1, 8):
+                kwargs = dict(dtype=dtype, channels=channels, tokens=SEGMENT_TOKENS)
+                label = f"segment_sum {phase} {dtype} C={channels}"
+                launches.append(Launch(label, f"bench.static_launches:segment_sum_{phase}", kwargs))
+    return launches
+
+
+def compile_launches(launches, extra_path=()) -> list:
+    """Records of every kernel the launches start, compiled in a fresh process without the
+    interpreter (TRITON_INTERPRET changes what @triton.jit builds at import)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, *map(str, extra_path), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.static_compile"],
+        input=json.dumps([launch._asdict() for launch in launches]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling for sm_90 failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout)
+
+
+def ctas_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    by_registers = REGISTERS_PER_SM // (per_warp * num_warps)
+    by_warps = MAX_WARPS_PER_SM // num_warps
+    by_shared = SHARED_PER_SM // (shared_bytes + SHARED_RESERVED_PER_CTA)
+    return min(by_registers, by_warps, by_shared, MAX_CTAS_PER_SM)
+
+
+def unrolled_trips(record: dict) -> int:
+    """Source-loop trips per trip of the SASS main loop (the compiler's unroll factor).
+
+    The kernel's first tensor argument is the streamed one: its loads are the loop's widest, and
+    one source trip loads BLOCK / threads of its elements per thread.
+    """
+    loop = record["loop"]
+    if not loop["found_loop"] or loop["widest_load"] == 0:
+        return 1
+    per_trip_bits = record["block_elements"] / (32 * record["num_warps"]) * record["stream_bits"]
+    return max(1, round(loop["widest_loads"] * loop["widest_load"] / per_trip_bits))
+
+
+def cost(record: dict) -> dict:
+    """One table row: the model's figures for one compiled kernel."""
+    resources, loop = record["resources"], record["loop"]
+    per_thread = record["block_elements"] / (32 * record["num_warps"]) * unrolled_trips(record)
+    shared = max(resources["shared"], record["dynamic_shared"])
+    ctas = ctas_per_sm(resources["registers"], record["num_warps"], shared)
+    per_element = loop["instructions"] / per_thread
+    bytes_per_element = (loop["load_bits"] + loop["store_bits"]) / 8 / per_thread
+    elements_per_second = SMS * CLOCK_HZ * ISSUE_PER_CLOCK * 32 / per_element
+    ceiling = elements_per_second * bytes_per_element / 1e12
+    return dict(
+        variant=record["label"],
+        kernel=record["kernel"],
+        registers=resources["registers"],
+        local_bytes=resources["local"] + resources["stack"],
+        spill_instructions=loop["local_accesses"],
+        shared_bytes=shared,
+        ctas_per_sm=ctas,
+        occupancy=ctas * record["num_warps"] / MAX_WARPS_PER_SM,
+        loop=loop["found_loop"],
+        unrolled=unrolled_trips(record),
+        instructions_per_element=per_element,
+        mufu_per_element=loop["mufu"] / per_thread,
+        barriers_per_element=loop["barriers"] / per_thread,
+        shuffles_per_element=loop["shuffles"] / per_thread,
+        widest_load_bits=loop["widest_load"],
+        widest_store_bits=loop["widest_store"],
+        bytes_per_element=bytes_per_element,
+        ceiling_tbps=ceiling,
+        ceiling_over_copy=ceiling / COPY_TBPS,
+    )
+
+
+COLUMNS = [
+    ("variant", "{}", 46), ("kernel", "{}", 30), ("registers", "{}", 4), ("local_bytes", "{}", 5),
+    ("occupancy", "{:.1%}", 6), ("instructions_per_element", "{:.1f}", 5), ("mufu_per_element", "{:.2f}", 5),
+    ("barriers_per_element", "{:.3f}", 6), ("shuffles_per_element", "{:.2f}", 5),
+    ("widest_load_bits", "{}", 4), ("widest_store_bits", "{}", 4), ("ceiling_tbps", "{:.2f}", 6),
+]  # fmt: skip
+HEADERS = ["variant", "kernel", "regs", "local", "occup", "ins/el", "mufu", "bar/el", "shfl", "ld", "st", "TB/s"]
+
+
+def table(rows) -> str:
+    """Fixed-width text table of the model's rows, with the copy line it is compared to."""
+    lines = ["  ".join(f"{head:>{width}}" if i > 1 else f"{head:<{width}}" for i, (head, (_, _, width)) in enumerate(zip(HEADERS, COLUMNS)))]
+    for row in rows:
+        cells = [fmt.format(row[key]) for key, fmt, _ in COLUMNS]
+        lines.append("  ".join(f"{cell:>{w}}" if i > 1 else f"{cell:<{w}}" for i, (cell, (_, _, w)) in enumerate(zip(cells, COLUMNS))))
+    lines.append(f"issue-bound ceiling (TB/s) vs {COPY_TBPS} TB/s device-to-device copy on an H200; "
+                 f"{SMS} SMs x {CLOCK_HZ / 1e9:.2f} GHz x {ISSUE_PER_CLOCK} warp-instructions/clock")  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_csv(rows, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def run(results_dir: Path) -> list:
+    """Compile every shipped variant, print the table, write results_dir/static.csv; the rows."""
+    rows = [cost(record) for record in compile_launches(shipped_launches())]
+    print(table(rows))
+    write_csv(rows, results_dir / "static.csv")
+    print(f"wrote {results_dir / 'static.csv'}")
+    return rows

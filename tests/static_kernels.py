@@ -1,0 +1,55 @@
+"""Hand-written kernels whose SASS counts are known, for testing the static cost model.
+
+Each launcher calls its kernel on meta tensors, as bench/static_launches.py does for the shipped
+kernels: 1024 fp32 elements per trip, 4 warps, so 8 elements per thread per trip.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+WARPS = 4
+
+
+@triton.jit
+def copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """dst = src, one program streaming the whole vector."""
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, n, BLOCK):
+        cols = start + offs
+        tl.store(dst_ptr + cols, tl.load(src_ptr + cols, mask=cols < n), mask=cols < n)
+
+
+@triton.jit
+def exp_sum_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, REDUCE_IN_LOOP: tl.constexpr):
+    """out = sum(exp(src)): per-thread sums reduced once after the loop, or a block-wide
+    reduction in every trip."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    total = 0.0
+    for start in range(0, n, BLOCK):
+        cols = start + offs
+        e = tl.exp(tl.load(src_ptr + cols, mask=cols < n, other=float("-inf")))
+        if REDUCE_IN_LOOP:
+            total += tl.sum(e, axis=0)
+        else:
+            acc += e
+    if not REDUCE_IN_LOOP:
+        total = tl.sum(acc, axis=0)
+    tl.store(out_ptr, total)
+
+
+def _vector(n=1 << 24):
+    return torch.empty(n, dtype=torch.float32, device="meta")
+
+
+def launch_copy():
+    src = _vector()
+    copy_kernel[(1,)](src, torch.empty_like(src), src.numel(), BLOCK=BLOCK, num_warps=WARPS)
+
+
+def launch_exp_sum(reduce_in_loop):
+    src = _vector()
+    out = torch.empty(1, dtype=torch.float32, device="meta")
+    exp_sum_kernel[(1,)](src, out, src.numel(), BLOCK=BLOCK, REDUCE_IN_LOOP=reduce_in_loop, num_warps=WARPS)

@@ -1,0 +1,76 @@
+"""The static cost model (`python -m bench --static`) finds the loop and counts it right: on a
+SASS snippet written by hand, and on hand-written kernels compiled for sm_90."""
+
+import pytest
+from sm90 import Launch, compile_for_hopper
+
+from bench.static import COPY_TBPS, ctas_per_sm, table
+from bench.static_sass import access_bits, count_main_loop, loops, parse_resources, parse_sass
+
+SNIPPET = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                     /* 0x0 */
+        /*0010*/              @!P0 BRA 0x100 ;                                /* 0x0 */
+        /*0020*/              @!P0 LDG.E.128 R4, desc[UR4][R2.64] ;           /* 0x0 */
+        /*0030*/                   MUFU.EX2 R5, R4 ;                          /* 0x0 */
+        /*0040*/                   SHFL.BFLY PT, R6, R5, 0x1, 0x1f ;          /* 0x0 */
+        /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;              /* 0x0 */
+        /*0060*/                   STG.E.U16 desc[UR4][R2.64], R6 ;           /* 0x0 */
+        /*0070*/                   NOP ;                                      /* 0x0 */
+        /*0080*/               @P1 BRA 0x20 ;                                 /* 0x0 */
+        /*0090*/                   EXIT ;                                     /* 0x0 */
+        /*00a0*/                   BRA 0xa0;                                  /* 0x0 */
+"""
+
+
+def test_sass_snippet_counts():
+    instructions = parse_sass(SNIPPET)
+    assert len(instructions) == 10  # NOP left out
+    assert loops(instructions) == [(0x20, 0x80)]  # the trap loop after EXIT is none
+    counts = count_main_loop(instructions)
+    assert counts.found_loop and counts.instructions == 6
+    assert (counts.mufu, counts.barriers, counts.shuffles) == (1, 1, 1)
+    assert (counts.widest_load, counts.widest_store, counts.load_bits, counts.store_bits) == (128, 16, 128, 16)
+    assert [access_bits(op) for op in ("LDG.E", "LDG.E.64", "STG.E.U8.STRONG.GPU")] == [32, 64, 8]
+    assert parse_resources(" REG:40 STACK:8 SHARED:16 LOCAL:4 CONSTANT[0]:600") == (40, 8, 16, 4)
+    with pytest.raises(ValueError, match="REG"):
+        parse_resources("garbage")
+
+
+def test_occupancy_from_registers_warps_and_shared_memory():
+    assert ctas_per_sm(32, 8, 0) == 8  # 64 warps: 100%
+    assert ctas_per_sm(40, 8, 0) == 6  # 40 regs x 256 threads: 6 CTAs, 75%
+    assert ctas_per_sm(72, 8, 0) == 3
+    assert ctas_per_sm(32, 8, 100 * 1024) == 2
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    launches = [
+        Launch("copy", "static_kernels:launch_copy", {}),
+        Launch("exp sum, reduced after the loop", "static_kernels:launch_exp_sum", {"reduce_in_loop": False}),
+        Launch("exp sum, reduced in the loop", "static_kernels:launch_exp_sum", {"reduce_in_loop": True}),
+    ]
+    rows = compile_for_hopper(launches)
+    print(table(rows))
+    return {row["variant"]: row for row in rows}
+
+
+def test_copy_kernel_is_two_128_bit_loads_and_stores_per_trip(compiled):
+    copy = compiled["copy"]
+    assert copy["loop"] and copy["local_bytes"] == 0
+    assert copy["widest_load_bits"] == copy["widest_store_bits"] == 128
+    assert copy["bytes_per_element"] == 8  # 4 read + 4 written
+    assert copy["mufu_per_element"] == copy["barriers_per_element"] == copy["shuffles_per_element"] == 0
+    assert copy["instructions_per_element"] < 2  # 2 loads, 2 stores, address and loop arithmetic
+    assert copy["ceiling_tbps"] > 3 * COPY_TBPS
+
+
+def test_reduction_placement_shows_in_barriers_and_shuffles(compiled):
+    after = compiled["exp sum, reduced after the loop"]
+    inside = compiled["exp sum, reduced in the loop"]
+    for row in (after, inside):
+        assert row["loop"] and row["mufu_per_element"] == 1.0  # one ex2 per element
+        assert row["widest_load_bits"] == 128 and row["widest_store_bits"] == 0
+    assert after["barriers_per_element"] == after["shuffles_per_element"] == 0
+    assert inside["barriers_per_element"] > 0 and inside["shuffles_per_element"] > 0
+    assert inside["instructions_per_element"] > after["instructions_per_element"]
