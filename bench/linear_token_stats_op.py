@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .cases import DTYPES, FLOOR_PASSES
+from .cases import DTYPES, FLOOR_PASSES, Case
 from .errors import RelativeError
 
 # Hidden width of the cases: Qwen3-8B's 4096 on a GPU; 16x smaller on CPU, like the CPU grid's T
@@ -43,27 +43,13 @@ GIB = 1 << 30
 
 
 @dataclass(frozen=True)
-class LinearCase:
-    """One LM-head problem: hidden [T, H] and weight [V, H] of `dtype`, J ids per row."""
+class LinearCase(Case):
+    """One LM-head problem: hidden [T, H] and weight [V, H] of `dtype`, J ids per row. Its
+    `input_bytes` are the unfused path's logits [T, V]: what the fused path never holds."""
 
     op = "linear_token_stats"
-    tokens: int
-    hidden: int
-    vocab: int
-    dtype: str
-    ids_per_row: int
-    entropy: bool
-    temperature: float = 1.0
+    hidden: int = CPU_HIDDEN
     chunk_rows: Optional[int] = None  # None: the op's default
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def input_bytes(self) -> int:
-        """Bytes of the unfused path's logits: what the fused path never holds."""
-        return self.tokens * self.vocab * self.torch_dtype.itemsize
 
     def floor_bytes(self, phase: str) -> int:
         """Hidden states and weight read once per pass (the gradients written once in backward)."""
@@ -72,21 +58,16 @@ class LinearCase:
     @property
     def label(self) -> str:
         chunk = "" if self.chunk_rows is None else f" C={self.chunk_rows}"
-        entropy = " +H" if self.entropy else ""
-        return f"lm T={self.tokens} D={self.hidden} V={self.vocab} {self.dtype} J={self.ids_per_row}{entropy}{chunk}"
+        return f"lm D={self.hidden}{chunk} {super().label}"
 
     def fields(self) -> dict:
-        return dict(tokens=self.tokens, hidden=self.hidden, vocab=self.vocab, dtype=self.dtype,
-                    ids_per_row=self.ids_per_row, entropy=self.entropy, temperature=self.temperature,
-                    chunk_rows=self.chunk_rows)  # fmt: skip
+        return dict(super().fields(), hidden=self.hidden, chunk_rows=self.chunk_rows)
 
 
 def head_cases(token_cases, gpu: bool):
     """The LM-head twin of each token-statistics case (same T, V/tp, dtype, J, entropy)."""
     width = GPU_HIDDEN if gpu else CPU_HIDDEN
-    return [
-        LinearCase(c.tokens, width, c.vocab, c.dtype, c.ids_per_row, c.entropy, c.temperature) for c in token_cases
-    ]
+    return [LinearCase(c.tokens, c.vocab, c.dtype, c.ids_per_row, c.entropy, c.temperature, width) for c in token_cases]
 
 
 class Layer(NamedTuple):
@@ -136,11 +117,10 @@ class LinearWorkload:
     def backward(self, layer, outputs, rows=slice(None)):
         """(d hidden, d weight) of sum logp * logp_grad + sum entropy * entropy_grad over `rows`."""
         logp, entropy = outputs
-        tensors, grads = [logp], [self.logp_grad[rows]]
+        loss = (logp.double() * self.logp_grad[rows]).sum()
         if entropy is not None:
-            tensors.append(entropy)
-            grads.append(self.entropy_grad[rows])
-        return torch.autograd.grad(tensors, list(layer), [g.to(t.dtype) for g, t in zip(grads, tensors)])
+            loss = loss + (entropy.double() * self.entropy_grad[rows]).sum()
+        return torch.autograd.grad(loss, list(layer))
 
     def errors(self, outputs, grads):
         """(forward, backward) relative errors against float64, row chunk by row chunk: forward the
@@ -220,7 +200,7 @@ def chunk_study(dtype: str, study=CHUNK_STUDY):
 
     fused = Subject("fused", {"linear_token_stats": run_fused})
     unfused = Subject("unfused", {"linear_token_stats": run_unfused})
-    base = LinearCase(study["tokens"], study["hidden"], study["vocab"], dtype, 1, False)
+    base = LinearCase(study["tokens"], study["vocab"], dtype, 1, False, hidden=study["hidden"])
     workload = LinearWorkload.make(base, torch.device("cpu"))
     rows = [("unfused", profile(unfused, workload, count_bytes=False)["fwd+bwd"], None)]
     for chunk in study["chunks"]:

@@ -6,23 +6,15 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from test_bench import ROOT, _fused_and_eager  # also puts the repository's `bench` on the import path
+import test_bench  # also puts the repository's `bench` on the import path
 
 from bench.linear_token_stats_op import LinearCase, chunk_study, cost, format_chunk_study, format_projection
-from bench.measure import WORKLOADS, profile
 
 
-@pytest.mark.parametrize("case", [LinearCase(20, 16, 1500, "fp32", 3, True, chunk_rows=6),
-                                  LinearCase(12, 8, 700, "fp32", 1, False)], ids=lambda case: case.label)  # fmt: skip
+@pytest.mark.parametrize("case", [LinearCase(20, 1500, "fp32", 3, True, hidden=16, chunk_rows=6),
+                                  LinearCase(12, 700, "fp32", 1, False, hidden=8)], ids=lambda case: case.label)  # fmt: skip
 def test_pass_measures_every_phase_of_fused_and_unfused(case):
-    workload = WORKLOADS[case.op].make(case, torch.device("cpu"))
-    for metrics in (profile(subject, workload, count_bytes=True) for subject in _fused_and_eager()):
-        assert metrics["fwd"]["bytes_moved"] + metrics["bwd"]["bytes_moved"] == metrics["fwd+bwd"]["bytes_moved"]
-        for phase, figures in metrics.items():
-            assert figures["error"] < 1e-5
-            assert figures["bytes_moved"] >= case.floor_bytes(phase)
-            assert figures["peak_extra_bytes"] >= 0
+    test_bench.test_pass_measures_every_phase_of_both_paths(case)  # the same checks as for the other ops
 
 
 def test_measured_chunk_memory_follows_the_cost_model():
@@ -61,9 +53,9 @@ def test_cli_runs_the_lm_head_op(tmp_path):
     command = [sys.executable, "-m", "bench", "--device", "cpu", "--op", "linear_token_stats", "-T", "8", "-V", "300",
                "--dtype", "fp32", "-J", "2", "--entropy", "on", "--results-dir", str(tmp_path)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=test_bench.ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "lm T=8 D=256 V=300 fp32 J=2 +H" in done.stdout
+    assert "lm D=256 T=8 V=300 fp32 J=2 +H" in done.stdout
     with (tmp_path / "bench_cpu.csv").open() as results:
         rows = list(csv.DictReader(results))
     assert {row["op"] for row in rows} == {"linear_token_stats"}
