@@ -19,6 +19,7 @@ under sequence parallelism `gather_from_sequence_parallel_region(hidden)` (all-g
 reduce-scatter backward). The weight gradient needs no reduction: it is this rank's own slice.
 """
 
+import functools
 import math
 
 import torch
@@ -95,10 +96,24 @@ def _add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> No
     """acc += a @ b with fp32 sums whatever a and b hold (bf16/fp16 products rounded once, at the end)."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # cuBLAS: low-precision inputs, fp32 C
+    elif _adds_low_precision_products_in_fp32(acc.device.type, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # cuBLAS: low-precision A, B; fp32 C
     else:
-        acc.addmm_(a.float(), b.float())  # CPU has no fp32-output low-precision GEMM; the upcast is exact
+        acc.addmm_(a.float(), b.float())  # exact upcast: correct everywhere, at fp32 GEMM speed
+
+
+@functools.lru_cache(maxsize=None)
+def _adds_low_precision_products_in_fp32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch adds a bf16/fp16 GEMM into an fp32 matrix in place on this device
+    (`addmm(..., out_dtype=float32)` with an fp32 `self`: CUDA builds of recent torch; not CPU).
+    Probed once on a 1x1 product rather than inferred from version numbers."""
+    acc = torch.zeros((1, 1), dtype=torch.float32, device=device_type)
+    one = torch.ones((1, 1), dtype=dtype, device=device_type)
+    try:
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
+        return False
+    return float(acc) == 1.0
 
 
 class _ChunkedLogits:

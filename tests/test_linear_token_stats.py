@@ -200,3 +200,11 @@ def test_cpu_without_interpreter_takes_the_unfused_path(monkeypatch):
     reference = token_stats_reference(hidden @ weight.t(), ids, with_entropy=True)
     for a, b in zip(fused, reference):
         assert torch.equal(a, b)
+
+
+def test_low_precision_weight_gradient_sums_in_fp32_on_every_device():
+    """Where torch cannot add a bf16 GEMM into an fp32 matrix (CPU), the operands are upcast: the
+    probe says which, and either way the sums are fp32 (the bf16 test above checks the values)."""
+    from fusedrl.kernels.linear_token_stats import _adds_low_precision_products_in_fp32
+
+    assert _adds_low_precision_products_in_fp32("cpu", torch.bfloat16) is False
