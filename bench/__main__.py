@@ -94,7 +94,7 @@ def main(argv=None):
     if args.static:
         from .static import run
 
-        return run(args.results_dir)
+        return run(args.results_dir, args.op)
     device = pick_device(args.device)
     gpu = device.type == "cuda"
     from . import report

@@ -114,6 +114,11 @@ def cost(record: dict) -> dict:
     return dict(
         variant=record["label"],
         kernel=record["kernel"],
+        op=record["label"].split()[0],
+        phase={"forward": "fwd", "backward": "bwd"}.get(record["label"].split()[1], ""),
+        dtype=record["kwargs"].get("dtype", ""),
+        ids_per_row=record["kwargs"].get("ids_per_row", ""),
+        entropy=record["kwargs"].get("entropy", ""),
         registers=resources["registers"],
         local_bytes=resources["local"] + resources["stack"],
         spill_instructions=loop["local_accesses"],
@@ -162,9 +167,10 @@ def write_csv(rows, path: Path) -> None:
         writer.writerows(rows)
 
 
-def run(results_dir: Path) -> list:
-    """Compile every shipped variant, print the table, write results_dir/static.csv; the rows."""
-    rows = [cost(record) for record in compile_launches(shipped_launches())]
+def run(results_dir: Path, ops=("token_stats", "segment_sum")) -> list:
+    """Compile every shipped variant of `ops`, print the table, write results_dir/static.csv."""
+    launches = [launch for launch in shipped_launches() if launch.label.split()[0] in ops]
+    rows = [cost(record) for record in compile_launches(launches)]
     print(table(rows))
     write_csv(rows, results_dir / "static.csv")
     print(f"wrote {results_dir / 'static.csv'}")

@@ -89,7 +89,7 @@ def main():
     for launch in json.loads(sys.stdin.read()):
         module, function = launch["call"].split(":")
         getattr(importlib.import_module(module), function)(**launch["kwargs"])
-        records += [_record(launch["label"], *entry) for entry in captured]
+        records += [dict(_record(launch["label"], *entry), kwargs=launch["kwargs"]) for entry in captured]
         captured.clear()
     json.dump(records, sys.stdout)
 

@@ -29,11 +29,13 @@ _LOGGED_PATHS = set()
 class _TritonAbsent:
     """Stands in for `triton` and `triton.language` so that kernel definitions still import.
 
-    `jit` leaves the function as it is and `constexpr` serves the annotations; nothing else exists,
-    and `uses_triton` sends no call to a kernel while Triton is absent.
+    `jit` leaves the function as it is and `constexpr` serves the annotations and constants;
+    nothing else exists, and `uses_triton` sends no call to a kernel while Triton is absent.
     """
 
-    constexpr = "constexpr"
+    @staticmethod
+    def constexpr(value=None):
+        return value
 
     @staticmethod
     def jit(fn):

@@ -22,11 +22,55 @@ from ._dispatch import tl, triton, uses_triton
 from ._tp import resolve_tp
 from .reference import token_stats_reference
 
-MAX_BLOCK_V = 4096
+LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in log2 units (ex2 is the hardware exp)
+LN2 = 0.6931471805599453  # back to natural units, once per row on the host
+# -inf logits are raised to FLOOR where they multiply their probability of 0, so the product is 0,
+# not 0 * -inf = NaN; FLOOR is far enough from fp32's limit that coefficients up to 1e20 keep the
+# factor finite, and far below any logit whose probability is not 0 anyway.
+FLOOR = tl.constexpr(-1e18)
 
 
-def _block_v(vocab_local: int) -> int:
-    return min(MAX_BLOCK_V, triton.next_power_of_2(vocab_local))
+class _Tile(NamedTuple):
+    """How one program streams a row: [ROWS_PER_TILE, THREADS, VEC] elements per trip, VEC
+    contiguous columns per thread (one 128-bit access), so reductions over axes 0 and 2 stay in
+    a thread's registers and only the final per-thread combine crosses threads."""
+
+    rows_per_tile: int
+    threads: int
+    vec: int
+    num_warps: int
+
+    @property
+    def block(self) -> int:
+        return self.rows_per_tile * self.threads * self.vec
+
+
+def tile_for(vocab_local: int, element_size: int) -> _Tile:
+    """The launch shape for a row of vocab_local columns of element_size bytes.
+
+    16 elements per thread per trip and 8 warps at large V (static model, `python -m bench
+    --static`: fewer elements per thread leave the loop overhead per element above the target,
+    more cost registers and occupancy); small rows take fewer warps so a trip is not mostly mask.
+    """
+    vec = 16 // element_size
+    rows_per_tile = max(1, 16 // vec)
+    num_warps = 8
+    while num_warps > 1 and rows_per_tile * 32 * num_warps * vec > 2 * triton.next_power_of_2(vocab_local):
+        num_warps //= 2
+    return _Tile(rows_per_tile, 32 * num_warps, vec, num_warps)
+
+
+@triton.jit
+def _tile_offsets(ROWS_PER_TILE: tl.constexpr, THREADS: tl.constexpr, VEC: tl.constexpr):
+    """Column offsets of one trip's [ROWS_PER_TILE, THREADS, VEC] tile."""
+    tile_row = tl.arange(0, ROWS_PER_TILE)[:, None, None] * (THREADS * VEC)
+    return tile_row + tl.arange(0, THREADS)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]
+
+
+@triton.jit
+def _thread_sum(x):
+    """Sum over the tile's in-thread axes: one value per thread, no cross-thread traffic."""
+    return tl.sum(tl.sum(x, axis=2), axis=0)
 
 
 @triton.jit
@@ -42,49 +86,75 @@ def _token_stats_fwd_kernel(
     J: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    ROWS_PER_TILE: tl.constexpr,
+    THREADS: tl.constexpr,
+    VEC: tl.constexpr,
 ):
-    """One program per selected row: online max / exp-sum / centred sum, then the J gathers."""
+    """One program per selected row: per-thread online max / exp-sum / centred sum in log2 units,
+    one cross-thread combine after the loop, then the J gathers.
+
+    Partials (log2 units, y = logit * log2(e) / temperature): running max m, s = sum 2^(y - m),
+    u = sum 2^(y - m) (y - m); then the J tempered logits (natural units).
+    """
     pid = tl.program_id(0).to(tl.int64)
     if HAS_ROWS:
         row = tl.load(rows_ptr + pid).to(tl.int64)
     else:
         row = pid
     row_ptr = logits_ptr + row * stride_row
-    offs = tl.arange(0, BLOCK_V)
+    scale = inv_temperature * LOG2E
+    offs = _tile_offsets(ROWS_PER_TILE, THREADS, VEC)
+    BLOCK: tl.constexpr = ROWS_PER_TILE * THREADS * VEC
 
-    running_max = float("-inf")
-    exp_sum = 0.0
-    centred_sum = 0.0  # sum exp(z' - m) * (z' - m), kept relative to m for an exact entropy
-    for start in range(0, vocab_local, BLOCK_V):
+    running_max = tl.full([THREADS], float("-inf"), tl.float32)
+    exp_sum = tl.zeros([THREADS], tl.float32)
+    centred_sum = tl.zeros([THREADS], tl.float32)
+    for start in range(0, vocab_local, BLOCK):
         cols = start + offs
-        z = tl.load(row_ptr + cols, mask=cols < vocab_local, other=float("-inf"))
-        z = z.to(tl.float32) * inv_temperature
-        new_max = tl.maximum(running_max, tl.max(z, axis=0))
-        # While every column so far is -inf the sums are 0 around any finite reference point;
-        # 0 keeps exp(-inf - -inf) = NaN out of the rescale.
+        x = tl.load(row_ptr + cols, mask=cols < vocab_local, other=float("-inf"), eviction_policy="evict_first")
+        x = x.to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(tl.max(x, axis=2), axis=0) * scale)
+        # While a thread has seen only -inf its sums are 0 around any finite reference point;
+        # 0 keeps exp2(-inf - -inf) = NaN out of the rescale.
         reference = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp(running_max - reference)
-        shifted = z - reference
-        e = tl.exp(shifted)
+        rescale = tl.exp2(running_max - reference)
+        shifted = x * scale - reference[None, :, None]
+        e = tl.exp2(shifted)
         if WITH_ENTROPY:
             # Moving the reference point from the old max to the new one shifts every term by
-            # (old - new); the guards keep 0 * -inf out (empty sums, -inf columns), not NaN.
-            moved = exp_sum * tl.where(exp_sum == 0.0, 0.0, running_max - reference)
-            block_centred = tl.sum(e * tl.where(z == float("-inf"), 0.0, shifted), axis=0)
+            # (old - new); an empty sum moves by 0 and -inf columns add 0, not 0 * -inf = NaN.
+            moved = tl.where(exp_sum == 0.0, 0.0, exp_sum * (running_max - reference))
+            block_centred = _thread_sum(e * tl.maximum(shifted, FLOOR))
             centred_sum = rescale * (centred_sum + moved) + block_centred
-        exp_sum = exp_sum * rescale + tl.sum(e, axis=0)
+        exp_sum = exp_sum * rescale + _thread_sum(e)
         running_max = new_max
 
+    row_max = tl.max(running_max, axis=0)
+    reference = tl.where(row_max == float("-inf"), 0.0, row_max)
+    weight = tl.exp2(running_max - reference)
     out = partials_ptr + pid * (3 + J)
-    tl.store(out, running_max)
-    tl.store(out + 1, exp_sum)
-    tl.store(out + 2, centred_sum)
+    tl.store(out, row_max)
+    tl.store(out + 1, tl.sum(weight * exp_sum, axis=0))
+    if WITH_ENTROPY:
+        moved = tl.where(exp_sum == 0.0, 0.0, exp_sum * (running_max - reference))
+        tl.store(out + 2, tl.sum(weight * (centred_sum + moved), axis=0))
+    else:
+        tl.store(out + 2, 0.0)
     for j in range(J):
         local_id = tl.load(ids_ptr + pid * J + j) - vocab_start
         owned = (local_id >= 0) & (local_id < vocab_local)
         gathered = tl.load(row_ptr + local_id, mask=owned, other=0.0).to(tl.float32)
         tl.store(out + 3 + j, gathered * inv_temperature)
+
+
+@triton.jit
+def _softmax_term(x, scale, lse2, k1, k2, WITH_ENTROPY: tl.constexpr):
+    """p * (k1 + k2 * x): the softmax part of the gradient at raw logits x (fp32), in one FFMA
+    and one ex2; -inf logits give p = 0 and a finite factor, so exactly 0."""
+    p = tl.exp2(x * scale - lse2)
+    if WITH_ENTROPY:
+        return p * (tl.maximum(x, FLOOR) * k2 + k1)
+    return p * k1
 
 
 @triton.jit
@@ -106,9 +176,14 @@ def _token_stats_bwd_kernel(
     J: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    ROWS_PER_TILE: tl.constexpr,
+    THREADS: tl.constexpr,
+    VEC: tl.constexpr,
+    J_BLOCK: tl.constexpr,
 ):
-    """One program per logits row: writes the whole gradient row once (zeros for unselected rows)."""
+    """One program per logits row: streams the softmax term over the whole row (zeros for
+    unselected rows), then overwrites the <= J id columns with softmax term + one-hot
+    coefficients, each rounded once. The ids stay out of the streamed loop."""
     row = tl.program_id(0).to(tl.int64)
     if HAS_ROWS:
         slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -117,37 +192,59 @@ def _token_stats_bwd_kernel(
     selected = slot >= 0
     safe_slot = tl.where(selected, slot, 0)
 
+    # d logits = inv_t * (sum_j c_j e_id_j - G p - g_H p (z - E_p[z])), z = x * inv_t, so the
+    # softmax part is p * (k1 + k2 * x) with the constants below.
     logp_grad_sum = tl.load(logp_grad_sum_ptr + safe_slot, mask=selected, other=0.0)
     lse = tl.load(lse_ptr + safe_slot, mask=selected, other=0.0)
+    k1 = -logp_grad_sum * inv_temperature
+    k2 = 0.0
     entropy_grad = 0.0
-    mean_z = 0.0
     if WITH_ENTROPY:
         entropy_grad = tl.load(entropy_grad_ptr + safe_slot, mask=selected, other=0.0)
         mean_z = tl.load(mean_z_ptr + safe_slot, mask=selected, other=0.0)
+        k1 += entropy_grad * mean_z * inv_temperature
+        k2 = -entropy_grad * inv_temperature * inv_temperature
     needs_softmax = (logp_grad_sum != 0.0) | (entropy_grad != 0.0)
+    scale = inv_temperature * LOG2E
+    lse2 = lse * LOG2E
 
     row_ptr = logits_ptr + row * stride_row
     grad_row_ptr = grad_ptr + row * stride_grad_row
-    offs = tl.arange(0, BLOCK_V)
-    for start in range(0, vocab_local, BLOCK_V):
-        cols = start + offs
-        in_vocab = cols < vocab_local
-        grad = tl.zeros([BLOCK_V], dtype=tl.float32)
-        if needs_softmax:
-            z = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32) * inv_temperature
-            p = tl.exp(z - lse)
-            grad = -logp_grad_sum * p
-            if WITH_ENTROPY:
-                grad -= entropy_grad * tl.where(z == float("-inf"), 0.0, p * (z - mean_z))
-        # Each id lands in one block: a scalar range test per (block, slot) keeps the one-hot
-        # work at O(J * BLOCK_V) per row rather than O(J * V), so large top-p supports stay cheap.
-        for j in range(J):
-            local_id = tl.load(ids_ptr + safe_slot * J + j, mask=selected, other=-1) - vocab_start
-            if (local_id >= start) & (local_id < start + BLOCK_V):
-                coef = tl.load(scatter_coef_ptr + safe_slot * J + j)
-                grad += tl.where(cols == local_id, coef, 0.0)
-        grad = grad * inv_temperature
-        tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
+    offs = _tile_offsets(ROWS_PER_TILE, THREADS, VEC)
+    BLOCK: tl.constexpr = ROWS_PER_TILE * THREADS * VEC
+    # The id columns get softmax term + one-hot coefficients, rounded once, written after the
+    # streamed loop. Computed before it: an in-place backward overwrites their logits, and
+    # fewer values stay live through the loop. Repeated ids: every slot of an id adds its
+    # coefficient to that column (each of its slots stores the same value).
+    slots = tl.arange(0, J_BLOCK)
+    slot_ok = (slots < J) & selected
+    global_ids = tl.load(ids_ptr + safe_slot * J + slots, mask=slot_ok, other=-1)
+    local_ids = (global_ids - vocab_start).to(tl.int32)
+    owned = slot_ok & (local_ids >= 0) & (local_ids < vocab_local)
+    coefs = tl.load(scatter_coef_ptr + safe_slot * J + slots, mask=slot_ok, other=0.0)
+    same_id = global_ids[:, None] == global_ids[None, :]
+    id_grad = tl.sum(tl.where(same_id, coefs[None, :], 0.0), axis=1) * inv_temperature
+    if needs_softmax:
+        x_ids = tl.load(row_ptr + local_ids, mask=owned, other=0.0).to(tl.float32)
+        id_grad += _softmax_term(x_ids, scale, lse2, k1, k2, WITH_ENTROPY)
+
+    # The needs_softmax test sits outside the loops: each streamed loop is one straight body.
+    if needs_softmax:
+        for start in range(0, vocab_local, BLOCK):
+            cols = start + offs
+            in_vocab = cols < vocab_local
+            x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            grad = _softmax_term(x, scale, lse2, k1, k2, WITH_ENTROPY)
+            tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab, eviction_policy="evict_first")
+    else:
+        zeros = tl.zeros([ROWS_PER_TILE, THREADS, VEC], dtype=grad_ptr.dtype.element_ty)
+        for start in range(0, vocab_local, BLOCK):
+            cols = start + offs
+            tl.store(grad_row_ptr + cols, zeros, mask=cols < vocab_local, eviction_policy="evict_first")
+
+    # Every thread's streamed stores land before the id columns are overwritten.
+    tl.debug_barrier()
+    tl.store(grad_row_ptr + local_ids, id_grad.to(grad_ptr.dtype.element_ty), mask=owned)
 
 
 def row_partials(logits_2d, ids, rows, vocab_start, temperature, with_entropy) -> torch.Tensor:
@@ -161,6 +258,7 @@ def row_partials(logits_2d, ids, rows, vocab_start, temperature, with_entropy) -
     if num_out == 0:
         return partials
     vocab_local = logits_2d.shape[1]
+    tile = tile_for(vocab_local, logits_2d.element_size())
     _token_stats_fwd_kernel[(num_out,)](
         logits_2d,
         logits_2d.stride(0),
@@ -173,8 +271,10 @@ def row_partials(logits_2d, ids, rows, vocab_start, temperature, with_entropy) -
         J=num_ids,
         HAS_ROWS=rows is not None,
         WITH_ENTROPY=with_entropy,
-        BLOCK_V=_block_v(vocab_local),
-        num_warps=8,
+        ROWS_PER_TILE=tile.rows_per_tile,
+        THREADS=tile.threads,
+        VEC=tile.vec,
+        num_warps=tile.num_warps,
     )
     return partials
 
@@ -191,20 +291,22 @@ def all_rank_partials(partials: torch.Tensor, tp) -> torch.Tensor:
 def combine_partials(partials_all: torch.Tensor):
     """(lse [N], mean_z [N], entropy [N], scores [N, J]) from all ranks' partials [tp, N, P].
 
-    Natural-log units: `logp = scores - lse[:, None]`; mean_z is E_p[z / temperature].
+    Natural-log units: `logp = scores - lse[:, None]`; mean_z is E_p[z / temperature]. A row
+    whose max is +inf or NaN has no distribution: NaN.
     """
     rank_max, rank_sum, rank_centred = partials_all[..., 0], partials_all[..., 1], partials_all[..., 2]
     row_max = rank_max.max(dim=0).values
-    weight = torch.exp(rank_max - row_max)
+    row_max = torch.where(row_max == float("inf"), float("nan"), row_max)
+    weight = torch.exp2(rank_max - row_max)
     # A rank whose shard is all -inf has rank_sum = 0 and rank_max = -inf: its shift is 0, not NaN.
     shift = torch.where(rank_sum == 0, 0.0, rank_sum * (rank_max - row_max))
     exp_sum = (weight * rank_sum).sum(dim=0)
     centred_sum = (weight * (rank_centred + shift)).sum(dim=0)
-    log_exp_sum = torch.log(exp_sum)
+    log_exp_sum = torch.log2(exp_sum)
     centred_mean = centred_sum / exp_sum
-    lse = row_max + log_exp_sum
-    mean_z = row_max + centred_mean
-    entropy = log_exp_sum - centred_mean
+    lse = (row_max + log_exp_sum) * LN2
+    mean_z = (row_max + centred_mean) * LN2
+    entropy = (log_exp_sum - centred_mean) * LN2
     scores = partials_all[..., 3:].sum(dim=0)
     return lse, mean_z, entropy, scores
 
@@ -227,6 +329,7 @@ def logits_grad(
         slots = torch.full((num_rows,), -1, dtype=torch.int64, device=rows.device)
         slots[rows] = torch.arange(rows.numel(), device=rows.device)
     with_entropy = entropy_grad is not None
+    tile = tile_for(vocab_local, logits_2d.element_size())
     _token_stats_bwd_kernel[(num_rows,)](
         grad_out,
         grad_out.stride(0),
@@ -245,8 +348,11 @@ def logits_grad(
         J=ids.shape[1],
         HAS_ROWS=rows is not None,
         WITH_ENTROPY=with_entropy,
-        BLOCK_V=_block_v(vocab_local),
-        num_warps=8,
+        ROWS_PER_TILE=tile.rows_per_tile,
+        THREADS=tile.threads,
+        VEC=tile.vec,
+        J_BLOCK=triton.next_power_of_2(ids.shape[1]),
+        num_warps=tile.num_warps,
     )
     return grad_out
 

@@ -1,10 +1,15 @@
-"""Test-session setup: CPU tests exercise the Triton kernels through the Triton interpreter.
+"""Test-session setup: where the kernels under test run (tests/device.py).
 
-Without TRITON_INTERPRET=1 the public functions take the eager reference on CPU tensors, and the
-parity tests would compare the reference with itself; so the interpreter is switched on before
-anything imports triton.
+Default: CPU tensors exercise the Triton kernels through the Triton interpreter. Without
+TRITON_INTERPRET=1 the public functions take the eager reference on CPU tensors, and the parity
+tests would compare the reference with itself; so the interpreter is switched on before anything
+imports triton. With FUSEDRL_TEST_DEVICE=cuda the kernels run compiled on the GPU instead.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from device import ON_GPU, install
+
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+install()

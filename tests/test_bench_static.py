@@ -1,10 +1,14 @@
 """The static cost model (`python -m bench --static`) finds the loop and counts it right: on a
 SASS snippet written by hand, and on hand-written kernels compiled for sm_90."""
 
+import subprocess
+from pathlib import Path
+
 import pytest
 from sm90 import Launch, compile_for_hopper
 
 from bench.static import COPY_TBPS, ctas_per_sm, table
+from bench.static_join import beside_measured
 from bench.static_sass import access_bits, count_main_loop, loops, parse_resources, parse_sass
 
 SNIPPET = """
@@ -74,3 +78,22 @@ def test_reduction_placement_shows_in_barriers_and_shuffles(compiled):
     assert after["barriers_per_element"] == after["shuffles_per_element"] == 0
     assert inside["barriers_per_element"] > 0 and inside["shuffles_per_element"] > 0
     assert inside["instructions_per_element"] > after["instructions_per_element"]
+
+
+def test_static_join_puts_the_ceiling_beside_the_measured_fused_rows():
+    static = [
+        dict(variant="token_stats forward bf16 J=1", op="token_stats", phase="fwd", dtype="bf16",
+             ids_per_row="1", entropy="False", ceiling_tbps="9.31", instructions_per_element="7.2"),
+        dict(variant="token_stats forward bf16 J=1 rows", op="token_stats", phase="fwd", dtype="bf16",
+             ids_per_row="1", entropy="False", ceiling_tbps="1.0", instructions_per_element="99"),
+    ]  # fmt: skip
+    measured = dict(op="token_stats", phase="fwd", dtype="bf16", ids_per_row="1", entropy="False",
+                    tokens="16384", vocab="151936", gbps="3900", copy_gbps="4300")  # fmt: skip
+    lines = beside_measured(static, [dict(measured, subject="fused"), dict(measured, subject="eager")]).splitlines()
+    assert len(lines) == 2
+    assert lines[1].split() == ["fwd", "bf16", "T=16384", "V=151936", "J=1", "H=False", "3900", "4300", "9310", "7.2"]
+
+
+def test_device_check_script_is_valid_bash():
+    script = Path(__file__).resolve().parent.parent / ".ci" / "device-check"
+    subprocess.run(["bash", "-n", str(script)], check=True)

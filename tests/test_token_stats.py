@@ -7,6 +7,7 @@ rows full of NaN that must never be read.
 
 import pytest
 import torch
+from device import on_cpu, to_cpu, to_device
 from numerics import rel_err
 
 from fusedrl.kernels import token_stats, token_stats_reference
@@ -162,17 +163,17 @@ def test_inplace_backward_writes_the_same_gradient_into_logits(dtype):
     kwargs = dict(temperature=0.7, with_entropy=True, rows=rows)
     _, grads, expected = run_with_grad(token_stats, base.clone(), ids[:4], **kwargs)
 
-    buffer = base.clone().requires_grad_(True)
-    stats = token_stats(buffer, ids[:4], inplace_backward=True, **kwargs)
-    (grad,) = torch.autograd.grad(loss_of(stats, grads), buffer)
+    buffer = to_device(base.clone()).requires_grad_(True)
+    stats = token_stats(buffer, to_device(ids[:4]), inplace_backward=True, **to_device(kwargs))
+    (grad,) = torch.autograd.grad(loss_of(to_cpu(stats), grads), buffer)
     assert grad.data_ptr() == buffer.data_ptr()
-    assert torch.equal(grad, expected)
+    assert torch.equal(grad.cpu(), expected)
 
-    batched = base.clone()[None].requires_grad_(True)  # slime's [1, T, V]: no copy either
-    stats = token_stats(batched, ids[:4], inplace_backward=True, **kwargs)
-    (grad,) = torch.autograd.grad(loss_of(stats, grads), batched)
+    batched = to_device(base.clone()[None]).requires_grad_(True)  # slime's [1, T, V]: no copy either
+    stats = token_stats(batched, to_device(ids[:4]), inplace_backward=True, **to_device(kwargs))
+    (grad,) = torch.autograd.grad(loss_of(to_cpu(stats), grads), batched)
     assert grad.data_ptr() == batched.data_ptr()
-    assert torch.equal(grad[0], expected)
+    assert torch.equal(grad[0].cpu(), expected)
 
 
 def test_centred_score_gradient_has_no_softmax_leakage():
@@ -206,7 +207,7 @@ def test_cpu_without_interpreter_takes_the_reference(monkeypatch):
     gen = torch.Generator().manual_seed(17)
     logits = random_logits(5, 30, torch.float32, gen)
     ids = make_ids(5, 30, 2, gen)
-    fused = token_stats(logits, ids, with_entropy=True)
+    fused = on_cpu(token_stats)(logits, ids, with_entropy=True)
     reference = token_stats_reference(logits, ids, with_entropy=True)
     for a, b in zip(fused, reference):
         assert torch.equal(a, b)

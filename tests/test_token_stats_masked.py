@@ -8,6 +8,7 @@ row only; +inf and all -inf rows are NaN (documented in `token_stats`).
 
 import pytest
 import torch
+from device import to_device
 from numerics import rel_err
 
 from fusedrl.kernels import token_stats, token_stats_reference
@@ -103,8 +104,10 @@ def test_tp_rank_with_an_all_minus_inf_shard():
     full[0, shard + 400] = -1.0
     ids = finite_ids(full, 2, gen)
     temperature = 0.9
-    shards = [full[:, :shard].contiguous(), full[:, shard:].contiguous()]
-    partials = torch.stack([row_partials(s, ids, None, r * shard, temperature, True) for r, s in enumerate(shards)])
+    shards = [to_device(full[:, :shard].contiguous()), to_device(full[:, shard:].contiguous())]
+    partials = torch.stack([
+        row_partials(s, to_device(ids), None, r * shard, temperature, True) for r, s in enumerate(shards)
+    ]).cpu()
     lse, mean_z, entropy, scores = combine_partials(partials)
     truth, truth_grad = value_and_grad(token_stats_reference, full.double(), ids, with_entropy=True, temperature=temperature)
     assert torch.isfinite(lse).all() and torch.isfinite(entropy).all()
@@ -112,8 +115,9 @@ def test_tp_rank_with_an_all_minus_inf_shard():
     assert rel_err(entropy, truth.entropy) < FP32_TOL
     gen = torch.Generator().manual_seed(3)
     grads = [torch.randn(t.shape, generator=gen) for t in truth]
+    per_row = to_device((ids, lse, mean_z, grads))
     grad = torch.cat([
-        logits_grad(torch.empty_like(s), s, ids, None, lse, mean_z, grads[0], grads[1], grads[2], r * shard, temperature)
+        logits_grad(torch.empty_like(s), s, per_row[0], None, *per_row[1:3], *per_row[3], r * shard, temperature).cpu()
         for r, s in enumerate(shards)
     ], dim=1)
     assert torch.isfinite(grad).all() and (grad[full == NEG_INF] == 0).all()
