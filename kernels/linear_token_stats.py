@@ -106,14 +106,15 @@ def _add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> No
 def _adds_low_precision_products_in_fp32(device_type: str, dtype: torch.dtype) -> bool:
     """Whether this torch adds a bf16/fp16 GEMM into an fp32 matrix in place on this device
     (`addmm(..., out_dtype=float32)` with an fp32 `self`: CUDA builds of recent torch; not CPU).
-    Probed once on a 1x1 product rather than inferred from version numbers."""
-    acc = torch.zeros((1, 1), dtype=torch.float32, device=device_type)
+    Probed once on a 1x1 product rather than inferred from version numbers; starting from 1, the
+    sum must be 2, so a build that overwrites instead of adding is caught too."""
+    acc = torch.ones((1, 1), dtype=torch.float32, device=device_type)
     one = torch.ones((1, 1), dtype=dtype, device=device_type)
     try:
         torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
     except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
         return False
-    return float(acc) == 1.0
+    return float(acc) == 2.0
 
 
 class _ChunkedLogits:
