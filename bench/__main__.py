@@ -42,7 +42,7 @@ def _positive_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
-    from .cases import CPU_GRID, DTYPES, GPU_GRID, OPS, PHASES, SEGMENT_TOKENS
+    from .cases import CPU_GRID, DEFAULT_OPS, DTYPES, GPU_GRID, OPS, PHASES, SEGMENT_TOKENS
     from .subjects import SUBJECT_NAMES
 
     def grid_default(axis):
@@ -70,9 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compute the entropy too (default: off, and on at the largest fp32 shape)")
     parser.add_argument("--temperature", type=_positive_float, default=1.0, metavar="TEMP",
                         help="sampling temperature, fused into the kernel; finite, > 0 (default: %(default)s)")
-    parser.add_argument("--op", nargs="+", choices=OPS, default=list(OPS),
-                        help="token_stats: log-probs/entropy kernel; segment_sum: aggregation kernel "
-                             "(default: both)")
+    parser.add_argument("--op", nargs="+", choices=OPS, default=list(DEFAULT_OPS),
+                        help="token_stats: log-probs/entropy kernel; segment_sum: aggregation kernel; "
+                             "linear_token_stats: the LM head fused with token_stats "
+                             f"(default: {' '.join(DEFAULT_OPS)})")
     parser.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES),
                         help="passes to measure (default: all three)")
     parser.add_argument("--subjects", nargs="+", choices=SUBJECT_NAMES, default=list(SUBJECT_NAMES),
@@ -135,6 +136,10 @@ def select_cases(args, gpu: bool):
             cases += default_cases(grid, args.temperature)
     if "segment_sum" in args.op:
         cases += [SegmentCase(tokens) for tokens in args.tokens or SEGMENT_TOKENS]
+    if "linear_token_stats" in args.op:  # the LM head at the token-statistics shapes
+        from .linear_token_stats_op import head_cases
+
+        cases += head_cases(select_cases(argparse.Namespace(**dict(vars(args), op=["token_stats"])), gpu), gpu)
     return cases
 
 

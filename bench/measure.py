@@ -9,12 +9,13 @@ import contextlib
 
 from .aten_ops import tensor_bytes
 from .cases import PHASES
+from .linear_token_stats_op import LinearWorkload
 from .memory import memory_meter
 from .segment_sum_op import SegmentWorkload
 from .token_stats_op import TokenWorkload
 from .traffic import count_traffic
 
-WORKLOADS = {"token_stats": TokenWorkload, "segment_sum": SegmentWorkload}
+WORKLOADS = {"token_stats": TokenWorkload, "segment_sum": SegmentWorkload, "linear_token_stats": LinearWorkload}
 
 
 def profile(subject, workload, count_bytes: bool):

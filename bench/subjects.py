@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .eager import eager_token_logprobs
+from .linear_token_stats_op import run_fused, run_unfused
 from .segment_sum_op import eager_sum_of_sample_mean
 
 SUBJECT_NAMES = ("fused", "eager", "compile", "liger", "megatron")
@@ -52,12 +53,14 @@ def _fused():
         # as slime_ext.aggregation calls it: inputs built by the package, value checks off
         return segment_sum(values, workload.mask, workload.segment_ids, workload.denominators, validate=False)
 
-    return Subject("fused", {"token_stats": _token_stats_run(token_logprobs), "segment_sum": aggregate})
+    return Subject("fused", {"token_stats": _token_stats_run(token_logprobs), "segment_sum": aggregate,
+                             "linear_token_stats": run_fused})  # fmt: skip
 
 
 def _eager():
+    # for the LM head, the unfused path: the logits in the layer's dtype, then token_stats
     return Subject("eager", {"token_stats": _token_stats_run(eager_token_logprobs),
-                             "segment_sum": eager_sum_of_sample_mean})  # fmt: skip
+                             "segment_sum": eager_sum_of_sample_mean, "linear_token_stats": run_unfused})  # fmt: skip
 
 
 def _compiled():

@@ -1,0 +1,268 @@
+"""The fused LM head (`linear_token_stats`) against the unfused path: cases, inputs, truth, costs.
+
+`python -m bench --op linear_token_stats` measures it like the other ops (the `eager` subject is
+the unfused path here: the matmul in the layer's dtype, then `token_stats`; `extra` is a share of
+the unfused logits). `python -m bench.linear_token_stats_op` answers the memory questions of
+issue 11 on CPU: the peak extra memory of both paths as the chunk grows, next to the cost model
+below, and that model's projection to T = 16384, V/tp = 151936, H = 4096 (a projection, not a
+measurement).
+
+Cost model, per fwd+bwd with all T rows selected, C rows per chunk, k = ceil(T / C) chunks, b
+bytes per element of the layer's dtype:
+- GEMM flops: unfused 6 T V H (forward, dhidden, dweight); fused 8 T V H (the forward GEMM again
+  in the backward, to recompute the logits).
+- Peak extra memory (beyond inputs and returned gradients): unfused T V b logits kept for the
+  backward plus their T V b gradient; fused one C V b chunk of logits, plus the fp32 [V, H]
+  weight-gradient accumulator when b < 4 (for fp32 weights it is the returned gradient).
+- Bytes each GEMM and kernel must move (operands read once, results written once): both paths
+  write and read every logit in the forward and read, write and read them again in the backward;
+  the fused path adds the recompute GEMM (the layer read, the logits written once more), re-reads
+  the weight once per chunk in each of its three GEMMs, and reads and writes the fp32 accumulator
+  once per chunk where the unfused path writes the weight gradient once.
+"""
+
+import argparse
+import gc
+import math
+import sys
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Optional
+
+import torch
+
+from .cases import DTYPES, FLOOR_PASSES, Case
+from .errors import RelativeError
+
+# Hidden width of the cases: Qwen3-8B's 4096 on a GPU; 16x smaller on CPU, like the CPU grid's T
+# and V (bench/cases.py), so the interpreter finishes in minutes.
+GPU_HIDDEN, CPU_HIDDEN = 4096, 256
+REFERENCE_CHUNK_BYTES = 1 << 28  # rows of float64 truth computed at a time
+PROJECTION = dict(tokens=(4096, 16384), vocab=151936, hidden=4096)
+CHUNK_STUDY = dict(tokens=128, vocab=18992, hidden=CPU_HIDDEN, chunks=(8, 16, 32, 64, 128))
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class LinearCase(Case):
+    """One LM-head problem: hidden [T, H] and weight [V, H] of `dtype`, J ids per row. Its
+    `input_bytes` are the unfused path's logits [T, V]: what the fused path never holds."""
+
+    op = "linear_token_stats"
+    hidden: int = CPU_HIDDEN
+    chunk_rows: Optional[int] = None  # None: the op's default
+
+    def floor_bytes(self, phase: str) -> int:
+        """Hidden states and weight read once per pass (the gradients written once in backward)."""
+        return FLOOR_PASSES[phase] * (self.tokens + self.vocab) * self.hidden * self.torch_dtype.itemsize
+
+    @property
+    def label(self) -> str:
+        chunk = "" if self.chunk_rows is None else f" C={self.chunk_rows}"
+        return f"lm D={self.hidden}{chunk} {super().label}"
+
+    def fields(self) -> dict:
+        return dict(super().fields(), hidden=self.hidden, chunk_rows=self.chunk_rows)
+
+
+def head_cases(token_cases, gpu: bool):
+    """The LM-head twin of each token-statistics case (same T, V/tp, dtype, J, entropy)."""
+    width = GPU_HIDDEN if gpu else CPU_HIDDEN
+    return [LinearCase(c.tokens, c.vocab, c.dtype, c.ids_per_row, c.entropy, c.temperature, width) for c in token_cases]
+
+
+class Layer(NamedTuple):
+    """The differentiable input of an LM-head case; `device` as the benchmark asks of any input."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+
+@dataclass
+class LinearWorkload:
+    """Hidden states, weight, ids and upstream gradients; the differentiable input is the pair
+    (hidden, weight), the outputs (logp, entropy)."""
+
+    case: LinearCase
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    ids: torch.Tensor
+    logp_grad: torch.Tensor
+    entropy_grad: Optional[torch.Tensor]
+
+    @classmethod
+    def make(cls, case, device, seed=0):
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+        def normal(*shape):
+            return torch.randn(shape, device=device, generator=generator)
+
+        hidden = normal(case.tokens, case.hidden)
+        weight = normal(case.vocab, case.hidden).mul_(2.0 / math.sqrt(case.hidden))  # logits ~ N(0, 4)
+        ids = torch.randint(0, case.vocab, (case.tokens, case.ids_per_row), device=device, generator=generator)
+        entropy_grad = normal(case.tokens) if case.entropy else None
+        dtype = case.torch_dtype
+        return cls(case, hidden.to(dtype), weight.to(dtype), ids, normal(*ids.shape), entropy_grad)
+
+    @property
+    def main_input(self) -> torch.Tensor:
+        return self.hidden
+
+    def leaf(self) -> Layer:
+        return Layer(self.hidden.detach().clone().requires_grad_(), self.weight.detach().clone().requires_grad_())
+
+    def backward(self, layer, outputs, rows=slice(None)):
+        """(d hidden, d weight) of sum logp * logp_grad + sum entropy * entropy_grad over `rows`."""
+        logp, entropy = outputs
+        loss = (logp.double() * self.logp_grad[rows]).sum()
+        if entropy is not None:
+            loss = loss + (entropy.double() * self.entropy_grad[rows]).sum()
+        return torch.autograd.grad(loss, list(layer))
+
+    def errors(self, outputs, grads):
+        """(forward, backward) relative errors against float64, row chunk by row chunk: forward the
+        worse of logp and entropy, backward the worse of d hidden and d weight."""
+        from fusedrl.kernels import token_logprobs_reference
+
+        case = self.case
+        weight = self.weight.double().requires_grad_()
+        chunk = max(1, REFERENCE_CHUNK_BYTES // (case.vocab * 8))
+        error = RelativeError()
+        truth_weight = torch.zeros_like(weight)
+        for start in range(0, case.tokens, chunk):
+            rows = slice(start, start + chunk)
+            hidden = self.hidden[rows].double().requires_grad_()
+            truth = token_logprobs_reference(
+                hidden @ weight.t(), self.ids[rows], temperature=case.temperature, with_entropy=case.entropy
+            )
+            error.add("logp", outputs[0][rows], truth[0])
+            if case.entropy:
+                error.add("entropy", outputs[1][rows], truth[1])
+            truth_hidden, chunk_weight = self.backward(Layer(hidden, weight), truth, rows)
+            error.add("dhidden", grads[0][rows], truth_hidden)
+            truth_weight += chunk_weight
+        error.add("dweight", grads[1], truth_weight)
+        return error.worst("logp", "entropy"), error.worst("dhidden", "dweight")
+
+
+def run_fused(layer, workload):
+    from fusedrl.kernels import linear_token_stats
+
+    case = workload.case
+    stats = linear_token_stats(*layer, workload.ids, temperature=case.temperature, with_entropy=case.entropy,
+                               chunk_rows=case.chunk_rows)  # fmt: skip
+    if layer.device.type == "cpu":
+        # The Triton interpreter keeps every tensor it launched a kernel on in a reference cycle
+        # until the next collection, which would count the forward's freed chunk buffer as live
+        # into the backward; a GPU frees it when the forward returns.
+        gc.collect()
+    return stats.logp, stats.entropy
+
+
+def run_unfused(layer, workload):
+    """The path the fused one replaces: the logits in the layer's dtype, then token_stats."""
+    from fusedrl.kernels import token_logprobs
+
+    hidden, weight = layer
+    case = workload.case
+    return token_logprobs(hidden @ weight.t(), workload.ids, temperature=case.temperature, with_entropy=case.entropy)
+
+
+def cost(tokens, hidden, vocab, itemsize, chunk_rows) -> dict:
+    """The cost model of the module docstring, fwd+bwd: GEMM flops, bytes moved, peak extra bytes."""
+    chunks = math.ceil(tokens / chunk_rows)
+    logits, layer = tokens * vocab * itemsize, (tokens + vocab) * hidden * itemsize
+    weight, accumulator = vocab * hidden * itemsize, vocab * hidden * 4
+    unfused_bytes = 3 * layer + 6 * logits  # 3 GEMMs, the two token_stats passes (read, read + write)
+    # + the recompute GEMM (reads the layer, writes the logits), the weight re-read per chunk by
+    # each of the 3 fused GEMMs, the accumulator read and written per chunk instead of dweight once
+    fused_bytes = unfused_bytes + layer + logits + 3 * (chunks - 1) * weight + 2 * chunks * accumulator - weight
+    chunk_extra = min(chunk_rows, tokens) * vocab * itemsize
+    return dict(
+        unfused_flops=6 * tokens * vocab * hidden,
+        fused_flops=8 * tokens * vocab * hidden,
+        unfused_bytes=unfused_bytes,
+        fused_bytes=fused_bytes,
+        unfused_extra=2 * logits,
+        fused_extra=chunk_extra + (accumulator if itemsize < 4 else 0),
+        fused_chunk_extra=chunk_extra,
+    )
+
+
+def chunk_study(dtype: str, study=CHUNK_STUDY):
+    """Measured peak extra memory (fwd+bwd) of the fused path per chunk size, and of the unfused path:
+    (the case, [(name, fwd+bwd figures, chunk rows or None)])."""
+    from .measure import profile
+    from .subjects import Subject
+
+    fused = Subject("fused", {"linear_token_stats": run_fused})
+    unfused = Subject("unfused", {"linear_token_stats": run_unfused})
+    base = LinearCase(study["tokens"], study["vocab"], dtype, 1, False, hidden=study["hidden"])
+    workload = LinearWorkload.make(base, torch.device("cpu"))
+    rows = [("unfused", profile(unfused, workload, count_bytes=False)["fwd+bwd"], None)]
+    for chunk in study["chunks"]:
+        workload.case = replace(base, chunk_rows=chunk)
+        rows.append((f"fused C={chunk}", profile(fused, workload, count_bytes=False)["fwd+bwd"], chunk))
+    return base, rows
+
+
+def _mib(nbytes) -> str:
+    return f"{nbytes / (1 << 20):.2f}"
+
+
+def format_chunk_study(base, rows) -> str:
+    model = {chunk: cost(base.tokens, base.hidden, base.vocab, base.torch_dtype.itemsize, chunk)
+             for _, _, chunk in rows if chunk}  # fmt: skip
+    unfused_extra = 2 * base.input_bytes
+    lines = [f"{base.dtype}: T={base.tokens} H={base.hidden} V={base.vocab} J=1; unfused logits + gradient = "
+             f"{_mib(unfused_extra)} MiB",
+             f"{'path':<14}{'extra MiB':>11}{'model MiB':>11}{'of unfused logits+grad':>24}{'err':>10}"]  # fmt: skip
+    for name, figures, chunk in rows:
+        predicted = _mib(model[chunk]["fused_extra"]) if chunk else _mib(unfused_extra)
+        share = f"{100 * figures['peak_extra_bytes'] / unfused_extra:.1f}%"
+        lines.append(f"{name:<14}{_mib(figures['peak_extra_bytes']):>11}{predicted:>11}{share:>24}{figures['error']:>10.1e}")
+    return "\n".join(lines)
+
+
+def format_projection() -> str:
+    """The cost model at the issue's GPU shapes, default chunk, for both dtypes."""
+    from fusedrl.kernels.linear_token_stats import default_chunk_rows
+
+    lines = ["projection (cost model, not a measurement): H = 4096, V/tp = 151936, default chunk, all rows selected",
+             f"{'dtype':<6}{'T':>7}{'C':>6}{'unfused extra GiB':>19}{'fused extra GiB':>17}{'of which chunk':>16}"
+             f"{'fused/unfused':>15}{'fused/slime fp32':>18}{'GEMM TFLOP f/u':>16}{'GB moved f/u':>15}"]  # fmt: skip
+    for dtype in ("bf16", "fp32"):
+        itemsize = DTYPES[dtype].itemsize
+        for tokens in PROJECTION["tokens"]:
+            vocab, hidden = PROJECTION["vocab"], PROJECTION["hidden"]
+            chunk = default_chunk_rows(tokens, vocab, itemsize)
+            c = cost(tokens, hidden, vocab, itemsize, chunk)
+            slime_fp32 = 2 * tokens * vocab * 4  # slime's path holds the logits and their gradient in fp32
+            lines.append(
+                f"{dtype:<6}{tokens:>7}{chunk:>6}{c['unfused_extra'] / GIB:>19.2f}{c['fused_extra'] / GIB:>17.2f}"
+                f"{c['fused_chunk_extra'] / GIB:>16.2f}{100 * c['fused_extra'] / c['unfused_extra']:>14.1f}%"
+                f"{100 * c['fused_extra'] / slime_fp32:>17.1f}%"
+                f"{c['fused_flops'] / 1e12:>8.1f}/{c['unfused_flops'] / 1e12:<7.1f}"
+                f"{c['fused_bytes'] / 1e9:>8.1f}/{c['unfused_bytes'] / 1e9:<6.1f}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """Chunk-size study (measured, CPU interpreter) and the projection to the GPU shapes."""
+    parser = argparse.ArgumentParser(prog="python -m bench.linear_token_stats_op", description=main.__doc__)
+    parser.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    args = parser.parse_args(argv)
+    from .__main__ import pick_device
+
+    pick_device("cpu")
+    for dtype in args.dtype:
+        print(format_chunk_study(*chunk_study(dtype)), end="\n\n")
+    print(format_projection())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Token statistics straight from hidden states: the LM head fused with `token_stats`, in row chunks.
+
+Why chunks and a recompute. An LM head's logits `[T, V_local]` are the largest activation of an RL
+step (10 GB in fp32 at T = 16k, V = 152k) and their gradient is as large again, yet every loss here
+needs only `3 + J` floats per row of them. The forward computes the logits of `chunk_rows` selected
+rows at a time with one GEMM (cuBLAS through torch) into a buffer reused by every chunk, reduces
+them to the token-statistics partials, and sends the partials of all chunks through the one
+tensor-parallel collective together. The backward recomputes each chunk's logits (one extra GEMM of
+the LM head: the price of never storing them), turns them into their gradient in place with the
+token-statistics backward kernel, and applies the linear layer's two backward GEMMs: each row of
+the hidden-state gradient is written once, the weight gradient is summed over chunks in fp32 in
+one preallocated buffer. Rows not selected by `rows` are never multiplied.
+
+Tensor parallelism: `weight` is this rank's vocabulary shard, as in megatron-core's
+`ColumnParallelLinear`, and so is the returned hidden-state gradient: this rank's partial sum over
+its own columns. Reducing it across the group is the caller's job, done the way megatron does it:
+pass `copy_to_tensor_model_parallel_region(hidden)` (identity forward, all-reduce backward), or
+under sequence parallelism `gather_from_sequence_parallel_region(hidden)` (all-gather forward,
+reduce-scatter backward). The weight gradient needs no reduction: it is this rank's own slice.
+"""
+
+import functools
+import math
+
+import torch
+
+from ._contract import KERNEL_DTYPES, TokenStats, check_token_stats_inputs
+from ._dispatch import uses_triton
+from ._tp import resolve_tp
+from .token_stats import all_rank_partials, combine_partials, logits_grad, row_partials, token_stats
+
+CHUNK_SHARE_OF_ROWS = 32
+MIN_CHUNK_ROWS = 768
+FREE_MEMORY_SHARE = 4
+
+
+def default_chunk_rows(num_rows: int, vocab_local: int, itemsize: int, free_bytes=None) -> int:
+    """Rows per chunk when the caller names none; num_rows counts the selected rows.
+
+    - num_rows / 32: the chunk's logits buffer, the only temporary that grows with the vocabulary,
+      stays at ~3% of the unfused logits (~1.6% of the unfused logits plus their gradient).
+    - at least 768 rows (or all of them): each chunk's weight-gradient GEMM reads and writes the
+      fp32 `[V_local, H]` accumulator (8 V H bytes) for 2 V H C flops, about C / 4 flops per byte;
+      below ~800 an H100/H200 (bf16 tensor-core flops over HBM bandwidth: ~200) waits on that
+      accumulator instead of computing. 768 keeps the chunk at 2.3% of the unfused logits plus
+      gradient at T = 16384, under the 3% the issue sets.
+    - at most what a quarter of the free device memory holds (`free_bytes`, None on CPU): room is
+      left for the GEMMs' workspace and the rest of the training step.
+    """
+    rows = max(min(num_rows, MIN_CHUNK_ROWS), math.ceil(num_rows / CHUNK_SHARE_OF_ROWS))
+    if free_bytes is not None:
+        rows = min(rows, free_bytes // FREE_MEMORY_SHARE // max(1, vocab_local * itemsize))
+    return max(1, rows)
+
+
+def _free_bytes(device: torch.device):
+    """Free device memory, the caching allocator's idle reserve included; None on CPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _check_layer(hidden, weight, chunk_rows) -> None:
+    """hidden [T, H] and weight [V_local, H] of one kernel dtype on one device; chunk_rows > 0."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"hidden must be a [T, H] tensor, got {_describe(hidden)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a [V_local, H] tensor, got {_describe(weight)}")
+    if hidden.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"hidden dtype must be one of {KERNEL_DTYPES}, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight dtype must equal hidden's ({hidden.dtype}), got {weight.dtype}")
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight must have H = {hidden.shape[1]} columns (hidden's last dim), got weight of shape "
+            f"{tuple(weight.shape)}"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden on {hidden.device}")
+    if chunk_rows is not None and (type(chunk_rows) is not int or chunk_rows < 1):
+        raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
+
+
+def _describe(value) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _logits_stand_in(hidden, weight) -> torch.Tensor:
+    """A [T, V_local] tensor with the logits' dtype and device over one row of storage: the
+    token-statistics checks read only its metadata, so ids, rows and temperature get their messages."""
+    return hidden.new_empty((1, weight.shape[0])).expand(hidden.shape[0], weight.shape[0])
+
+
+def _add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with fp32 sums whatever a and b hold (bf16/fp16 products rounded once, at the end)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif _adds_low_precision_products_in_fp32(acc.device.type, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # cuBLAS: low-precision A, B; fp32 C
+    else:
+        acc.addmm_(a.float(), b.float())  # exact upcast: correct everywhere, at fp32 GEMM speed
+
+
+@functools.lru_cache(maxsize=None)
+def _adds_low_precision_products_in_fp32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch adds a bf16/fp16 GEMM into an fp32 matrix in place on this device
+    (`addmm(..., out_dtype=float32)` with an fp32 `self`: CUDA builds of recent torch; not CPU).
+    Probed once on a 1x1 product rather than inferred from version numbers; starting from 1, the
+    sum must be 2, so a build that overwrites instead of adding is caught too."""
+    acc = torch.ones((1, 1), dtype=torch.float32, device=device_type)
+    one = torch.ones((1, 1), dtype=dtype, device=device_type)
+    try:
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
+        return False
+    return float(acc) == 2.0
+
+
+class _ChunkedLogits:
+    """The logits of the selected rows, `chunk_rows` at a time, in one buffer reused by every chunk."""
+
+    def __init__(self, hidden, weight, rows, num_selected, chunk_rows):
+        self.hidden, self.weight, self.rows, self.num_selected = hidden, weight, rows, num_selected
+        self.chunk_rows = min(chunk_rows, max(num_selected, 1))
+        self.logits = hidden.new_empty((self.chunk_rows, weight.shape[0]))
+        self.gathered = None if rows is None else hidden.new_empty((self.chunk_rows, hidden.shape[1]))
+
+    def __iter__(self):
+        """(slots, hidden rows, logits) per chunk; slots index the outputs. An empty selection
+        still yields one empty chunk, so every rank takes part in the collective."""
+        for start in range(0, max(self.num_selected, 1), self.chunk_rows):
+            slots = slice(start, min(start + self.chunk_rows, self.num_selected))
+            size = slots.stop - slots.start
+            if self.rows is None:
+                rows_in = self.hidden[slots]
+            else:
+                rows_in = torch.index_select(self.hidden, 0, self.rows[slots], out=self.gathered[:size])
+            yield slots, rows_in, torch.mm(rows_in, self.weight.t(), out=self.logits[:size])
+
+
+class _LinearTokenStatsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, rows, temperature, with_entropy, tp, vocab_start, chunk_rows):
+        chunks = _ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
+        partials = torch.cat([
+            row_partials(logits, ids[slots], None, vocab_start, temperature, with_entropy)
+            for slots, _, logits in chunks
+        ])  # fmt: skip
+        lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, tp))
+        ctx.save_for_backward(hidden, weight, ids, rows, lse, mean_z)
+        ctx.temperature, ctx.with_entropy = temperature, with_entropy
+        ctx.vocab_start, ctx.chunk_rows = vocab_start, chunk_rows
+        return scores - lse.unsqueeze(1), entropy if with_entropy else None, scores
+
+    @staticmethod
+    def backward(ctx, logp_grad, entropy_grad, scores_grad):
+        hidden, weight, ids, rows, lse, mean_z = ctx.saved_tensors
+        wants_hidden, wants_weight = ctx.needs_input_grad[:2]
+        entropy_grad = entropy_grad if ctx.with_entropy else None
+        grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if wants_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
+        chunks = _ChunkedLogits(hidden, weight, rows, ids.shape[0], ctx.chunk_rows)
+        row_grads = None if rows is None or not wants_hidden else torch.empty_like(chunks.gathered)
+        for slots, rows_in, logits in chunks:
+            grad_logits = logits_grad(
+                logits, logits, ids[slots], None, lse[slots], mean_z[slots], logp_grad[slots],
+                None if entropy_grad is None else entropy_grad[slots], scores_grad[slots],
+                ctx.vocab_start, ctx.temperature,
+            )  # fmt: skip
+            if wants_hidden and rows is None:
+                torch.mm(grad_logits, weight, out=grad_hidden[slots])
+            elif wants_hidden:
+                size = slots.stop - slots.start
+                grad_hidden.index_copy_(0, rows[slots], torch.mm(grad_logits, weight, out=row_grads[:size]))
+            if wants_weight:
+                _add_product_fp32(grad_weight, grad_logits.t(), rows_in)
+        if wants_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def linear_token_stats(
+    hidden,
+    weight,
+    ids,
+    *,
+    temperature=1.0,
+    with_entropy=False,
+    tp_group=None,
+    rows=None,
+    chunk_rows=None,
+    validate=True,
+) -> TokenStats:
+    """`token_stats(hidden @ weight.T, ids, ...)` without ever holding more than one chunk of logits.
+
+    hidden: [T, H] (fp32, bf16 or fp16). weight: [V_local, H] of the same dtype, this rank's
+        vocabulary shard (global columns [rank * V_local, (rank + 1) * V_local) of a tensor-parallel
+        group of size tp; default group: megatron-core's when initialised).
+    ids, temperature, with_entropy, tp_group, rows, validate: as `token_stats`; only the selected
+        rows' logits are computed, and the other rows get a zero hidden-state gradient.
+    chunk_rows: selected rows per chunk (the logits buffer holds chunk_rows x V_local); default
+        `default_chunk_rows` of the selected rows, V_local and the free device memory.
+
+    Returns `TokenStats(logp [N, J], entropy [N] or None, scores [N, J])`, float32, differentiable
+    with respect to hidden and weight. Under tensor parallelism the hidden-state gradient is this
+    rank's partial sum, to be reduced across the group by the caller (see the module docstring).
+    CPU tensors outside the Triton interpreter take the unfused path (`token_stats` of the full
+    logits, itself the float64 reference there).
+    """
+    _check_layer(hidden, weight, chunk_rows)
+    tp = resolve_tp(tp_group)
+    inputs = check_token_stats_inputs(
+        _logits_stand_in(hidden, weight), ids, temperature, rows, tp.size, tp.rank, validate, KERNEL_DTYPES
+    )
+    if not uses_triton(hidden, "linear_token_stats"):
+        return token_stats(
+            hidden @ weight.t(),
+            ids,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            tp_group=tp_group,
+            rows=rows,
+            validate=False,
+        )
+    num_selected = inputs.ids.shape[0]
+    if chunk_rows is None:
+        free = _free_bytes(hidden.device)
+        chunk_rows = default_chunk_rows(num_selected, weight.shape[0], hidden.element_size(), free)
+    logp, entropy, scores = _LinearTokenStatsFunction.apply(
+        hidden,
+        weight,
+        inputs.ids.contiguous(),
+        None if inputs.rows is None else inputs.rows.contiguous(),
+        inputs.temperature,
+        bool(with_entropy),
+        tp,
+        inputs.vocab_start,
+        chunk_rows,
+    )
+    return TokenStats(logp, entropy, scores)
