@@ -21,6 +21,11 @@ boundary, and only when the real package is missing (an installed one is always 
   and hooks read them back); nothing else from it runs.
 - `wandb`: experiment tracking (a network client), imported by slime's logging setup.
 - `torch_memory_saver`: GPU memory offloading (CUDA only), imported by slime's train actor.
+- `zstandard`: the compressor of the delta weight updater's disk format (`--update-weight-mode
+  delta`), not among the test dependencies; no test writes that format.
+
+slime picks its device through `slime.utils.accelerator` (CUDA or MUSA); `load()` registers and
+selects a CPU backend there, through slime's own `register_accelerator` / `set_accelerator`.
 
 `parse_known_args` stands in for `slime.utils.arguments.parse_args`, whose Megatron half needs
 `megatron.training`: it runs everything of slime's parse that does not (see its docstring).
@@ -49,6 +54,7 @@ STUBS = {
     "megatron.training": "Megatron-LM's training package is not part of the megatron-core wheel",
     "wandb": "experiment tracking client (network), imported by slime's logging setup",
     "torch_memory_saver": "GPU memory offloading, CUDA only",
+    "zstandard": "the delta weight updater's compressor, not among the test dependencies",
 }
 
 
@@ -173,7 +179,57 @@ def load() -> str:
 
     if not os.path.abspath(slime.__file__).startswith(os.path.join(root, "slime")):
         raise RuntimeError(f"`import slime` found {slime.__file__}, not the checkout {ENV_VAR}={root}")
+    _select_cpu_accelerator()
     return root
+
+
+def _select_cpu_accelerator() -> None:
+    """slime's device calls (`accelerator.current_device()`, ...) answer "cpu"."""
+    import torch
+    from slime.utils import accelerator
+
+    class CPUAccelerator(accelerator.Accelerator):
+        name = device_type = "cpu"
+        communication_backend_name = "gloo"
+
+        def is_available(self):
+            return True
+
+        def device(self, index=None):
+            return torch.device("cpu")
+
+        def device_name(self, index=None):
+            return "cpu"
+
+        def set_device(self, index):
+            pass
+
+        def current_device(self):
+            return "cpu"
+
+        def device_count(self):
+            return 1
+
+        def synchronize(self, device=None):
+            pass
+
+        def current_stream(self, device=None):
+            return None
+
+        def empty_cache(self):
+            pass
+
+        def mem_get_info(self, device=None):
+            return (0, 0)
+
+        def memory_allocated(self, device=None):
+            return 0
+
+        def memory_reserved(self, device=None):
+            return 0
+
+    accelerator.register_accelerator("cpu", CPUAccelerator, lambda: True, communication_backends=("gloo",))
+    accelerator.set_accelerator(CPUAccelerator())
 
 
 def parse_known_args(argv, add_custom_arguments=None):
