@@ -25,7 +25,7 @@ import upstream_slime
 from distributed import run_on_ranks
 from numerics import rel_err
 
-upstream_slime.load()
+upstream_slime.require()
 
 VOCAB = 74  # 37 columns per rank at tp 2: odd, and no multiple of a kernel block
 GROUP_SIZE = 2  # samples per prompt

@@ -139,11 +139,15 @@ def _fill_megatron_global_vars(module) -> None:
 _FILL = {"ray": _fill_ray, "megatron.training.global_vars": _fill_megatron_global_vars}
 
 
-def _checkout_root() -> str:
-    """The slime checkout FUSEDRL_SLIME_SRC names (absolute); skips when unset, fails when wrong."""
+def require() -> str:
+    """The slime checkout FUSEDRL_SLIME_SRC names (absolute). Unset, the calling test module is
+    skipped with that reason; naming no slime checkout, it fails. Changes nothing else."""
     root = os.environ.get(ENV_VAR)
     if not root:
-        pytest.skip(f"{ENV_VAR} is not set: point it at a slime checkout (the folder holding slime/ and train.py)")
+        pytest.skip(
+            f"{ENV_VAR} is not set: point it at a slime checkout (the folder holding slime/ and train.py)",
+            allow_module_level=True,
+        )
     root = os.path.abspath(root)
     if not (os.path.isfile(os.path.join(root, "slime", "__init__.py")) and os.path.isfile(os.path.join(root, "train.py"))):
         raise RuntimeError(f"{ENV_VAR}={root!r} is not a slime checkout: slime/__init__.py and train.py must be there")
@@ -169,9 +173,12 @@ def _installed(name: str) -> bool:
 
 
 def load() -> str:
-    """Make slime's source importable (stubs included); returns the checkout root. Idempotent;
-    call it in every process that imports slime (spawned workers too)."""
-    root = _checkout_root()
+    """Make slime's source importable (stubs included); returns the checkout root. Idempotent.
+
+    The stubs stay for the life of the process and would stand in for those packages for any
+    code, so call it only in the spawned workers that run slime, never in the pytest process
+    (where SGLang's own tests must see the packages as missing)."""
+    root = require()
     _stub_missing_packages()
     if root not in sys.path:
         sys.path.insert(0, root)
