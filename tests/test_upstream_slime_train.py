@@ -1,5 +1,5 @@
-"""fusedrl inside slime's real training data path, on spawned gloo workers with megatron-core's
-parallel_state at tp = 1, 2 x cp = 1, 2 (and dp = 2), slime from FUSEDRL_SLIME_SRC.
+"""fusedrl inside slime's real training data path, on 4 spawned gloo workers with megatron-core's
+parallel_state at tp = 1, 2 x cp = 1, 2 (dp = 4 / (tp * cp)), slime from FUSEDRL_SLIME_SRC.
 
 Every step is slime's code: the rollout manager's rollout call, sample-to-train-data conversion
 and DP split (`RolloutManager`), the train actor's fetch (`MegatronTrainRayActor._get_rollout_data`:
@@ -8,16 +8,15 @@ fp32 `rollout_mask_sums`, CP-sliced rollout log-probs), `compute_advantages_and_
 bigram model, logits = rows of a weight matrix E picked by the input tokens (tensor-parallel: each
 rank holds a column block of E), so its gradient sums every micro-batch's logits gradient.
 
-Truth: the same path through slime's own policy loss with slime's own vocab-parallel log-prob
-function run in float64 (`calculate_log_probs_and_entropy` on the logits cast to float64). Next to
-it, slime's eager float32 path; then fusedrl: slime's policy loss after `fusedrl.slime_ext.install`
-(the fused log-prob path) and `fusedrl.slime_ext.losses.policy_loss` through `--loss-type
-custom_loss`. Losses, metrics and E's gradient must match the truth to 1e-5 relative.
-"""
+Truth: the same path through slime's own policy loss, its vocab-parallel log-prob function
+replaced by a float64 one (fusedrl's float64 eager reference: slime's own computes in float32
+whatever its input). Next to it, slime's eager float32 path, the yardstick; then fusedrl: slime's
+policy loss after `fusedrl.slime_ext.install` (the fused log-prob path) and the configured fusedrl
+loss. Losses, metrics and E's gradient must match the truth to 1e-5 relative."""
 
 import copy
 import tempfile
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import pytest
 import torch
@@ -199,16 +198,18 @@ class Float64LogProbs:
 
 class Case(NamedTuple):
     """One configuration: parallel sizes (dp = world / (tp * cp)), slime + fusedrl flags, seed,
-    whether the truth weighs pg_loss by prompt-group totals (prompt_mean), and whether the train
-    data lacks `rollout_mask_sums` (as from a --custom-convert-samples-to-train-data-path that
-    does not set them: slime then divides by each sample's own mask total)."""
+    the denominators the truth's sample-mean reducer uses to weigh pg_loss as the case's mode
+    (None: slime's; "group": prompt-group mask totals, prompt_mean; "divisor": the
+    --loss-aggregation-divisor, constant), and whether the train data lacks `rollout_mask_sums`
+    (as from a --custom-convert-samples-to-train-data-path that does not set them: slime then
+    divides by each sample's own mask total)."""
 
     name: str
     tp: int
     cp: int
     argv: List[str]
     seed: int
-    group_truth: bool = False
+    truth_denominators: Optional[str] = None
     without_mask_sums: bool = False
 
 
@@ -224,11 +225,15 @@ PPO_CASES = [
 PROMPT_MEAN_CASE = Case(
     "prompt_mean-tp1-cp2-dp2", 1, 2,
     CUSTOM_LOSS + ["--loss-aggregation", "prompt_mean", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"],
-    5, group_truth=True,
+    5, truth_denominators="group",
 )  # fmt: skip
+# constant with slime's own policy loss: fusedrl's pg_loss reducer through slime's reducer hook.
+CONSTANT_CASE = Case("constant-reducer-tp2-cp1-dp2", 2, 1,
+                     ["--loss-aggregation", "constant", "--loss-aggregation-divisor", "16"] + DYNAMIC_BATCHING, 3,
+                     truth_denominators="divisor")  # fmt: skip
 NO_MASK_SUMS_CASE = Case("no-rollout-mask-sums-tp1-cp2-dp2", 1, 2, PPO_ARGV + CUSTOM_LOSS + DYNAMIC_BATCHING, 9,
                          without_mask_sums=True)  # fmt: skip
-ALL_CASES = PPO_CASES + [PROMPT_MEAN_CASE, NO_MASK_SUMS_CASE]
+ALL_CASES = PPO_CASES + [PROMPT_MEAN_CASE, CONSTANT_CASE, NO_MASK_SUMS_CASE]
 
 # Options fusedrl's policy loss does not implement, configured the README's first way: slime's own
 # train.py (its parser, no fusedrl flags) and --custom-loss-function-path (or its module alias).
@@ -244,13 +249,24 @@ UNSUPPORTED = {
 }
 
 
+def truth_denominators(case: Case, args, rollout_data) -> torch.Tensor:
+    """Per local sample, what slime's sample-mean reducer divides by to weigh pg_loss as the case's
+    aggregation mode does."""
+    if case.truth_denominators == "group":
+        return torch.tensor(group_mask_totals(args))[rollout_data["partition"]]
+    return torch.full((len(rollout_data["partition"]),), float(args.loss_aggregation_divisor))
+
+
 def case_runs(case: Case):
-    """On this rank: {run name: ([(loss, metrics)], weight-shard gradient)} for the truth, slime's
-    eager float32 path and fusedrl's paths on the same micro-batches."""
+    """On this rank: {run name: ([(loss, metrics)], weight-shard gradient)} on the same
+    micro-batches for the truth, slime's eager float32 path, slime's policy loss on the fused
+    log-prob path ("fused log-probs", where slime's reducer is the case's), and the configured
+    fusedrl loss ("fused loss": fusedrl's policy loss, or slime's with fusedrl's pg_loss reducer)."""
     import fusedrl.slime_ext as fusedrl_slime
     from fusedrl.slime_ext import train as entry
     from fusedrl.slime_ext.arguments import add_fusedrl_arguments
     from megatron.core import parallel_state
+    from megatron.training.global_vars import set_args
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=case.tp, context_parallel_size=case.cp, create_gloo_process_groups=False
@@ -260,8 +276,9 @@ def case_runs(case: Case):
         args, unknown = upstream_slime.parse_known_args(argv, add_fusedrl_arguments)
         assert unknown == [], unknown
         entry.validate(args)
+        set_args(args)  # as slime's train actor does (initialize.init); the pg_loss reducer hook reads them
         slime_args = copy.copy(args)
-        slime_args.loss_type = "policy_loss"
+        slime_args.loss_type, slime_args.custom_pg_loss_reducer_function_path = "policy_loss", None
         rollout_data = train_data(args, parallel_state.get_data_parallel_world_size(), case.cp)
         if case.without_mask_sums:
             del rollout_data["rollout_mask_sums"]
@@ -270,16 +287,16 @@ def case_runs(case: Case):
         shard = weights.chunk(case.tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
 
         truth_data = rollout_data
-        if case.group_truth:  # slime's reducer with prompt-group totals for denominators
-            totals = torch.tensor(group_mask_totals(args))[rollout_data["partition"]]
-            truth_data = dict(rollout_data, rollout_mask_sums=totals)
+        if case.truth_denominators:
+            truth_data = dict(rollout_data, rollout_mask_sums=truth_denominators(case, args, rollout_data))
         with Float64LogProbs():
             runs = {"truth": train_micro_batches(slime_args, truth_data, shard)}
         runs["slime fp32"] = train_micro_batches(slime_args, truth_data, shard)
         fusedrl_slime.install(args)
         try:
-            runs["fused log-probs"] = train_micro_batches(slime_args, rollout_data, shard)
-            runs["fused policy_loss"] = train_micro_batches(args, rollout_data, shard)
+            if not case.truth_denominators:
+                runs["fused log-probs"] = train_micro_batches(slime_args, rollout_data, shard)
+            runs["fused loss"] = train_micro_batches(args, rollout_data, shard)
         finally:
             fusedrl_slime.uninstall()
         return runs
@@ -403,19 +420,25 @@ def test_ppo_through_slimes_training_path(results, case):
     """slime's policy loss on the fused log-prob path (install) and fusedrl's policy loss
     (custom_loss), PPO with dual clip, entropy and KL loss, against the float64 truth."""
     for runs in results[case.name]:
-        assert set(runs["fused policy_loss"][0][0][1]) <= set(runs["truth"][0][0][1])
-    assert_matches_truth(results[case.name], ["fused log-probs", "fused policy_loss"])
+        assert set(runs["fused loss"][0][0][1]) <= set(runs["truth"][0][0][1])
+    assert_matches_truth(results[case.name], ["fused log-probs", "fused loss"])
 
 
 def test_prompt_mean_with_dynamic_batching(results):
     """prompt_mean's group denominators travel through slime's conversion, DP split and get_batch
     (dynamic batching, dp = 2, cp = 2) and weigh pg_loss as slime's reducer would with group totals."""
-    assert_matches_truth(results[PROMPT_MEAN_CASE.name], ["fused policy_loss"], metrics=["pg_loss"])
+    assert_matches_truth(results[PROMPT_MEAN_CASE.name], ["fused loss"], metrics=["pg_loss"])
+
+
+def test_constant_through_slimes_policy_loss_and_reducer_hook(results):
+    """--loss-aggregation constant with slime's own policy loss: fusedrl's pg_loss reducer through
+    slime's --custom-pg-loss-reducer-function-path, reading megatron's global args as in slime."""
+    assert_matches_truth(results[CONSTANT_CASE.name], ["fused loss"], metrics=["pg_loss"])
 
 
 def test_without_rollout_mask_sums_each_sample_is_its_own_denominator(results):
     """slime's fallback when the train data carries no rollout_mask_sums (issue 12 item 7)."""
-    assert_matches_truth(results[NO_MASK_SUMS_CASE.name], ["fused log-probs", "fused policy_loss"])
+    assert_matches_truth(results[NO_MASK_SUMS_CASE.name], ["fused log-probs", "fused loss"])
 
 
 @pytest.mark.xfail(

@@ -3,8 +3,10 @@ FUSEDRL_SLIME_SRC on `sys.path`, so the tests run slime's own loss wrapper, batc
 conversion, log-prob path and argument parser instead of a re-implementation of them.
 
 FUSEDRL_SLIME_SRC is a slime checkout root (holding the `slime/` package and `train.py`); CI
-(`.ci/run`) points it at `../shared/upstream/slime`. Unset, the tests that need slime skip with
-that reason (`pytest.skip`); set to a folder that is not a slime checkout, they fail.
+(`.ci/run`) points it at `../shared/upstream/slime`. A test module calls `require()` at import:
+unset, the module skips with that reason; set to a folder that is not a slime checkout, it fails.
+slime itself is imported (`load()`) only in the spawned workers that run it, so the stubs below
+never reach the pytest process.
 
 slime imports a few things a CPU test machine cannot: only those are stubbed, each at the import
 boundary, and only when the real package is missing (an installed one is always used):
