@@ -111,11 +111,12 @@ def cost(record: dict) -> dict:
     bytes_per_element = (loop["load_bits"] + loop["store_bits"]) / 8 / per_thread
     elements_per_second = SMS * CLOCK_HZ * ISSUE_PER_CLOCK * 32 / per_element
     ceiling = elements_per_second * bytes_per_element / 1e12
+    op, phase = (record["label"].split() + ["", ""])[:2]  # "token_stats forward bf16 ..."
     return dict(
         variant=record["label"],
         kernel=record["kernel"],
-        op=record["label"].split()[0],
-        phase={"forward": "fwd", "backward": "bwd"}.get(record["label"].split()[1], ""),
+        op=op,
+        phase={"forward": "fwd", "backward": "bwd"}.get(phase, ""),
         dtype=record["kwargs"].get("dtype", ""),
         ids_per_row=record["kwargs"].get("ids_per_row", ""),
         entropy=record["kwargs"].get("entropy", ""),
