@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--results-dir", type=Path, default=RESULTS, metavar="DIR",
                         help="where the CSV is appended and the PNG written (default: bench/results)")
     parser.add_argument("--static", action="store_true",
-                        help="no timing: the sm_90 static cost model of every kernel variant (CPU, bench/static.py)")
+                        help="no timing: the sm_90 static cost model of every kernel variant (CPU, bench/static.py; --op narrows it; default: off)")
     return parser
 
 
