@@ -23,6 +23,7 @@ from bench_package import ROOT, import_bench
 
 import_bench()
 from bench.cases import Case, SegmentCase  # noqa: E402
+from bench.linear_token_stats_op import LinearCase  # noqa: E402
 from bench.measure import WORKLOADS, measure_case, profile  # noqa: E402
 from bench.report import format_table  # noqa: E402
 from bench.memory import TensorTally  # noqa: E402
@@ -104,8 +105,9 @@ def _fused_and_eager():
     return make_subjects(["fused", "eager"], torch.device("cpu"))[0]
 
 
-@pytest.mark.parametrize("case", [Case(24, 1500, "fp32", 3, True), SegmentCase(3000, channels=3, sample_tokens=200)],
-                         ids=lambda case: case.label)  # fmt: skip
+@pytest.mark.parametrize("case", [Case(24, 1500, "fp32", 3, True), SegmentCase(3000, channels=3, sample_tokens=200),
+                                  LinearCase(20, 1500, "fp32", 3, True, hidden=16, chunk_rows=6),
+                                  LinearCase(12, 700, "fp32", 1, False, hidden=8)], ids=lambda case: case.label)  # fmt: skip
 def test_pass_measures_every_phase_of_both_paths(case):
     # The targets (bytes near the floor, eager moving more) are reported, not asserted; what must
     # hold is that no path moves less than the floor, errors are at fp32 parity, and the phases add up.

@@ -8,39 +8,19 @@ kernels' block (4099 > 4096), repeated ids, selected rows out of order, an empty
 import gc
 
 import pytest
-import test_bench  # noqa: F401  (puts the repository's `bench` package on the import path)
 import torch
-from bench.memory import TensorTally
+from bench_package import import_bench
+from lm_head_cases import head_with_grad, random_layer, truth_head
 from numerics import rel_err
-from test_token_stats import loss_of, make_ids, upstream_grads
+from token_stats_cases import loss_of, make_ids
+
+import_bench()
+from bench.memory import TensorTally  # noqa: E402
 
 from fusedrl.kernels import linear_token_stats, token_stats, token_stats_reference
 from fusedrl.kernels.linear_token_stats import default_chunk_rows
 
 FP32_TOL = 1e-5
-
-
-def random_layer(num_rows, width, vocab, dtype, generator, logit_scale=3.0):
-    """hidden [T, H] and weight [V, H] whose product has entries of about `logit_scale`."""
-    hidden = torch.randn(num_rows, width, generator=generator)
-    weight = torch.randn(vocab, width, generator=generator) * (logit_scale / width**0.5)
-    return hidden.to(dtype), weight.to(dtype)
-
-
-def head_with_grad(fn, hidden, weight, ids, grads=None, **kwargs):
-    """Outputs, upstream gradients and (d hidden, d weight) of fn(hidden, weight, ids, **kwargs)."""
-    hidden = hidden.detach().requires_grad_(True)
-    weight = weight.detach().requires_grad_(True)
-    stats = fn(hidden, weight, ids, **kwargs)
-    grads = grads or upstream_grads(stats, torch.Generator().manual_seed(7))
-    grad_hidden, grad_weight = torch.autograd.grad(loss_of(stats, grads), [hidden, weight])
-    return stats, grads, (grad_hidden, grad_weight)
-
-
-def truth_head(hidden, weight, ids, **kwargs):
-    """The float64 truth: the full logits in float64, then the eager reference."""
-    kwargs.pop("chunk_rows", None)
-    return token_stats_reference(hidden.double() @ weight.double().t(), ids, **kwargs)
 
 
 def unfused_head(hidden, weight, ids, **kwargs):

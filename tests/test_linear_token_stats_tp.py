@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 from distributed import run_on_ranks
 from numerics import rel_err
-from test_linear_token_stats import head_with_grad, random_layer, truth_head
-from test_token_stats import loss_of, make_ids
-from test_token_stats_tp import CollectiveCounter
+from lm_head_cases import head_with_grad, random_layer, truth_head
+from token_stats_cases import CollectiveCounter, loss_of, make_ids
 
 from fusedrl.kernels import linear_token_stats
 

@@ -10,6 +10,7 @@ import torch
 from bench_package import import_bench
 from device import on_cpu, to_cpu, to_device
 from numerics import rel_err
+from token_stats_cases import loss_of, make_ids, random_logits, run_with_grad
 
 import_bench()
 from bench.eager import eager_token_stats as eager_same_dtype  # noqa: E402
@@ -17,41 +18,6 @@ from bench.eager import eager_token_stats as eager_same_dtype  # noqa: E402
 from fusedrl.kernels import token_stats, token_stats_reference
 
 FP32_TOL = 1e-5
-
-
-def make_ids(num_rows, vocab, num_ids, generator):
-    """Random ids whose slot 0 is the sampled token; slots repeat it and each other."""
-    ids = torch.randint(0, vocab, (num_rows, num_ids), generator=generator)
-    if num_ids > 2:
-        ids[:, 1] = ids[:, 0]
-        ids[:, 2] = ids[:, -1]
-    return ids
-
-
-def upstream_grads(stats, generator):
-    """Random upstream gradients for every output of TokenStats."""
-
-    def like(t):
-        return None if t is None else torch.randn(t.shape, generator=generator, dtype=torch.float32)
-
-    return [like(t) for t in stats]
-
-
-def loss_of(stats, grads):
-    return sum((out.double() * g.double()).sum() for out, g in zip(stats, grads) if out is not None)
-
-
-def run_with_grad(fn, logits, ids, grads=None, **kwargs):
-    """Outputs, upstream gradients and d(loss)/d(logits) of fn(logits, ids, **kwargs)."""
-    logits = logits.detach().requires_grad_(True)
-    stats = fn(logits, ids, **kwargs)
-    grads = grads or upstream_grads(stats, torch.Generator().manual_seed(7))
-    (grad,) = torch.autograd.grad(loss_of(stats, grads), logits)
-    return stats, grads, grad
-
-
-def random_logits(num_rows, vocab, dtype, generator, scale=3.0):
-    return (torch.randn(num_rows, vocab, generator=generator) * scale).to(dtype)
 
 
 CASES = [

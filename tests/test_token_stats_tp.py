@@ -10,37 +10,9 @@ import torch
 import torch.distributed as dist
 from distributed import run_on_ranks
 from numerics import rel_err
-from test_token_stats import loss_of, make_ids, random_logits, run_with_grad
+from token_stats_cases import CollectiveCounter, loss_of, make_ids, random_logits, run_with_grad
 
 from fusedrl.kernels import token_stats, token_stats_reference
-
-COLLECTIVES = ["all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor",
-               "broadcast", "all_to_all_single", "reduce", "gather", "scatter"]
-
-
-class CollectiveCounter:
-    """Counts calls of torch.distributed collectives while active."""
-
-    def __init__(self):
-        self.calls = 0
-        self._originals = {}
-
-    def __enter__(self):
-        for name in COLLECTIVES:
-            original = getattr(dist, name)
-            self._originals[name] = original
-
-            def counted(*args, _original=original, **kwargs):
-                self.calls += 1
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-
 
 def shard_worker(rank, world_size, logits, ids, rows, grads, kwargs, use_megatron):
     """This rank's outputs, gradient shard and collective counts for its column shard."""
