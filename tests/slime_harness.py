@@ -201,6 +201,17 @@ def slime_args(**overrides) -> Namespace:
         custom_pg_loss_reducer_function_path=None,
         recompute_loss_function=False,
         loss_aggregation="sample_mean",
+        pg_loss_type="ppo",
+        # what the package's startup checks install or read, as they leave it (the losses re-check at first use)
+        rollout_top_k=-1,
+        rollout_batch_size=1,
+        n_samples_per_prompt=1,
+        global_batch_size=None,
+        num_steps_per_rollout=None,
+        load_debug_rollout_data=None,
+        rollout_function_path="fusedrl.slime_ext.rollout.prompt_groups.generate_rollout",
+        loss_aggregation_inner_rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+        custom_generate_function_path="fusedrl.slime_ext.rollout.sfc_draws.generate",
     )
     args.update(overrides)
     return Namespace(**args)

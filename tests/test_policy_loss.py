@@ -198,7 +198,11 @@ def test_policy_loss_is_bitwise_deterministic():
         (dict(use_kl_loss=True, kl_loss_type="k9"), "--kl-loss-type"),
         (dict(use_opsm=True), "--use-opsm"),
         (dict(get_mismatch_metrics=True), "--get-mismatch-metrics"),
-        (dict(use_score_centering=True), "--use-score-centering"),
+        (dict(use_tis=True), "--use-tis"),
+        (dict(advantage_estimator="gspo"), "--advantage-estimator gspo"),
+        (dict(custom_pg_loss_reducer_function_path="a.b"), "--custom-pg-loss-reducer-function-path"),
+        (dict(custom_loss_function_path="fusedrl.slime_ext.losses.policy.policy_loss", use_opsm=True), "--use-opsm"),
+        (dict(loss_type="policy_loss", pg_loss_type="reinforce"), "--pg-loss-type reinforce"),
     ],
 )
 def test_policy_validation_names_the_flag(overrides, named):
