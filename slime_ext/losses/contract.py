@@ -10,14 +10,6 @@ and reduce (detached 0-d tensors, `loss` among them).
 
 import torch
 
-from .. import aggregation
-
-
-def aggregate_pg_term(args, batch, per_token: torch.Tensor) -> torch.Tensor:
-    """The policy-gradient term of the micro-batch under --loss-aggregation (resolved by
-    `arguments.check_at_first_use`, which every loss runs first)."""
-    return aggregation.aggregate_pg_loss(args, batch, per_token)
-
 
 def reaching_logits(loss: torch.Tensor, logits: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """`loss`, joined to the logits' graph with a zero when the rank trains no token."""

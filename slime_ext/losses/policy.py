@@ -23,10 +23,11 @@ point, and at the loss's first call whichever way slime was started.
 
 import torch
 
+from ..aggregation import aggregate_pg_loss
 from ..arguments import check_at_first_use
 from ..flags.policy import KL_TYPES, pg_loss_type
 from ..logprobs import response_log_probs
-from .contract import aggregate_pg_term, detached, reaching_logits
+from .contract import detached, reaching_logits
 
 
 def approx_kl(log_probs, ref_log_probs, kl_loss_type: str, importance_ratio=None) -> torch.Tensor:
@@ -106,7 +107,7 @@ def policy_loss(args, batch, logits, sum_of_sample_mean):
     else:
         pg_loss, pg_clipfrac = clipped_surrogate(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
 
-    pg_loss = aggregate_pg_term(args, batch, pg_loss)
+    pg_loss = aggregate_pg_loss(args, batch, pg_loss)
     entropy_loss = sum_of_sample_mean(torch.cat(per_sample_entropy))
     loss = pg_loss - args.entropy_coef * entropy_loss
     metrics = {
