@@ -1,13 +1,12 @@
 """The --loss-aggregation flags: registered on slime's parser, resolved and checked at startup.
 
 The modes are defined in `slime_ext/aggregation.py` (train side). Resolving a mode may install a
-slime hook: `constant` with slime's own policy
-loss installs the package's pg_loss reducer, and `prompt_mean` puts the package's rollout wrapper
-(`rollout/prompt_groups.py`) in place of --rollout-function-path. `token_mean` needs
---calculate-per-token-loss, which the flag itself turns on while slime's parser runs (Megatron
-validates it inside that parse, before any check here). Another feature's flag may stand
-for a mode (--sfc-loss-agg-mode): it comes in as an `Implied` choice, which the caller can only
-have by running that feature's checks first.
+slime hook: `constant` with slime's own policy loss installs the package's pg_loss reducer, and
+`prompt_mean` puts the package's rollout wrapper (`rollout/prompt_groups.py`) in place of
+--rollout-function-path. `token_mean` needs --calculate-per-token-loss, which the flag itself turns
+on while slime's parser runs (Megatron validates it inside that parse, before any check here).
+Another feature's flag may stand for a mode (--sfc-loss-agg-mode): it comes in as an `Implied`
+choice, which the caller can only have by running that feature's checks first.
 """
 
 import argparse

@@ -47,7 +47,8 @@ def add_arguments(parser):
         action=PerTokenSwitch,
         per_token_values=[flag for flag, (mode, _) in AGG_MODES.items() if mode == "token_mean"],
         help="Aggregation of SFC's per-token loss: sample-mean (--loss-aggregation sample_mean), "
-        "token-mean (token_mean, sets --calculate-per-token-loss) or token-sum (constant with divisor 1). Default: --loss-aggregation.",
+        "token-mean (token_mean, sets --calculate-per-token-loss) or token-sum (constant with divisor 1). "
+        "Default: --loss-aggregation.",
     )
     parser.add_argument(
         "--sfc-inner-generate-function-path",
