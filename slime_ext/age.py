@@ -9,7 +9,8 @@ Each train actor process keeps one `AgeClock`:
   `UpdateWeightFromDistributed`, `UpdateWeightFromTensor`, ... in
   slime/backends/megatron_utils/update_weight/), which increments the updater's `weight_version`
   and sends it to the engines, which report it back in every /generate `meta_info.weight_version`.
-  `install` wraps those methods so that each push records (version, steps completed). Pushes
+  `install` wraps those methods, in every updater module of slime's, so that each push records
+  (version, steps completed). Pushes
   happen between train calls, so every started step is complete when one is recorded.
 - age of a token sampled by version v while step n is in flight = n - (steps completed at v's push).
 
@@ -25,6 +26,8 @@ train step), so the ages agree across tp, cp and dp ranks.
 
 import functools
 import importlib
+import logging
+import pkgutil
 import sys
 from typing import Dict
 
@@ -32,15 +35,10 @@ import torch
 
 from .hooks import load_function
 
+logger = logging.getLogger(__name__)
 HOOK_PATH = "fusedrl.slime_ext.age.before_train_step"
 USER_HOOK_ATTR = "fusedrl_user_before_train_step_hook_path"
 UPDATER_PACKAGE = "slime.backends.megatron_utils.update_weight"
-# The updaters slime's train actor builds (actor.py); every updater module already imported under
-# UPDATER_PACKAGE is wrapped too.
-UPDATER_MODULES = (
-    f"{UPDATER_PACKAGE}.update_weight_from_distributed",
-    f"{UPDATER_PACKAGE}.update_weight_from_tensor",
-)
 _WRAP_MARK = "_fusedrl_records_push"
 
 
@@ -131,22 +129,28 @@ def records_pushes(update_weights):
     return update_weights_recording_push
 
 
-def install(args, updater_modules=UPDATER_MODULES) -> None:
+def install(args) -> None:
     """Init-hook step: route slime's before-train-step hook through `before_train_step` (chaining
-    a hook the user gave) and wrap every weight updater class's `update_weights`.
+    a hook the user gave) and wrap `update_weights` of every weight updater class slime has.
 
     slime's `train_one_step` reads the hook path from megatron's global args, the object slime's
-    init passes to the init hook, so setting it here takes effect. Installing twice is harmless.
+    init passes to the init hook, so setting it here takes effect. The init hook runs before the
+    train actor picks its updater by --update-weight-mode / --update-weight-transport, and the
+    actor imports some updaters only then (`UpdateWeightFromDiskDelta` under delta), so every
+    module of slime's updater package is imported and wrapped here, not only those loaded so far.
+    A module whose own dependencies are missing is skipped: slime cannot build that updater
+    either. Installing twice is harmless.
     """
     current = getattr(args, "custom_megatron_before_train_step_hook_path", None)
     if current and current != HOOK_PATH:
         setattr(args, USER_HOOK_ATTR, current)
     args.custom_megatron_before_train_step_hook_path = HOOK_PATH
-    for name in updater_modules:
+    package = importlib.import_module(UPDATER_PACKAGE)
+    for info in pkgutil.iter_modules(package.__path__, UPDATER_PACKAGE + "."):
         try:
-            importlib.import_module(name)
-        except ModuleNotFoundError:  # a slime version without this updater
-            continue
+            importlib.import_module(info.name)
+        except ImportError as error:
+            logger.info("fusedrl SFC ages: slime's %s does not import here (%s); not wrapped", info.name, error)
     for name, module in list(sys.modules.items()):
         if name.startswith(UPDATER_PACKAGE + ".") and module is not None:
             _wrap_updaters(module)

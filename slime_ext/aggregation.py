@@ -40,7 +40,8 @@ calls it with total_lengths, response_lengths, loss_masks, calculate_per_token_l
 for the modes that need no per-sample data beyond the masks: token_mean and constant. It reads
 the flags from megatron's global args, which slime's train actor sets (`set_args`) before any
 loss runs. sample_mean needs slime's `rollout_mask_sums` and prompt_mean the carried group
-denominators, neither of which the hook receives, so it refuses them.
+denominators, neither of which the hook receives, so it refuses them. Its first call runs the
+startup checks (`arguments.check_at_first_use`), whichever way slime was started.
 
 Flags and their startup checks: `flags/aggregation.py`; the prompt_mean rollout wrapper:
 `rollout/prompt_groups.py`.
@@ -52,6 +53,7 @@ import torch
 
 from ..kernels.segment_sum import segment_sum
 from . import carry, megatron
+from .arguments import check_at_first_use
 from .context_parallel import chunked_loss_masks, sample_denominators
 from .flags.aggregation import SAMPLE_MODES, mode_of
 
@@ -130,6 +132,7 @@ def get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_p
     Returns x -> sum over samples of the rank's masked sum of x / D_s, as slime's own reducer.
     """
     args = megatron.train_args()
+    check_at_first_use(args)
     mode = mode_of(args)
     if mode in SAMPLE_MODES:
         raise ValueError(

@@ -5,15 +5,29 @@ hands `add_fusedrl_arguments` to `slime.utils.arguments.parse_args(add_custom_ar
 and runs `validate_fusedrl_args` on the parsed namespace before training starts. Each feature's
 flags and checks live in `flags/`; the order they run in is carried by the data they pass on:
 the aggregation checks take, as an argument, the mode the SFC checks say --sfc-loss-agg-mode
-stands for. The policy-loss checks read slime's own flags only.
+stands for. The policy-loss checks read slime's own flags and --pg-loss-type.
+
+The package's losses and hooks also run inside slime's trainer when it was started by slime's
+own `train.py` (the flags then never reached slime's args), so each calls `check_at_first_use`
+on its first call: the same checks, and a ValueError naming the flag wherever the startup checks
+would have had to change something slime has already read.
 """
 
+import argparse
+import copy
+import weakref
+
 from .flags import aggregation, policy, sfc
+
+# Resolved at first use without harm: only the package's own losses read them, per call.
+LATE_RESOLVABLE = ("loss_aggregation", "loss_aggregation_divisor")
+ENTRY_POINT = "python -m fusedrl.slime_ext.train path/to/slime/train.py"
+_CHECKED = {}  # id(args) -> weak reference, for the args objects that passed check_at_first_use
 
 
 def add_fusedrl_arguments(parser):
     """Register every feature's flags on slime's parser; returns the parser (slime's convention)."""
-    for feature in (aggregation, sfc):
+    for feature in (aggregation, policy, sfc):
         feature.add_arguments(parser)
     return parser
 
@@ -21,8 +35,62 @@ def add_fusedrl_arguments(parser):
 def validate_fusedrl_args(args) -> None:
     """Check every feature's flags against the parsed slime arguments; ValueError names the flag.
 
-    Resolves what the flags imply (the aggregation mode, --calculate-per-token-loss, the rollout
-    and reducer hooks to install); calling it again on the result changes nothing.
+    Resolves what the flags imply (the aggregation mode, the rollout and reducer hooks to
+    install); calling it again on the result changes nothing.
     """
     aggregation.validate_args(args, implied=sfc.validate_args(args))
     policy.validate_args(args)
+
+
+def fusedrl_defaults() -> dict:
+    """Every package flag's attribute and its default."""
+    return vars(add_fusedrl_arguments(argparse.ArgumentParser()).parse_args([]))
+
+
+def configures_package(args) -> bool:
+    """Whether slime's args carry the package's flags or name one of its losses or hooks."""
+    named = (
+        getattr(args, "custom_loss_function_path", None) in policy.LOSS_PATHS + sfc.LOSS_PATHS,
+        getattr(args, "custom_pg_loss_reducer_function_path", None) == aggregation.REDUCER_PATH,
+        getattr(args, "rollout_function_path", None) == aggregation.ROLLOUT_FUNCTION_PATH,
+        getattr(args, "custom_generate_function_path", None) == sfc.GENERATE_PATH,
+    )
+    return any(named) or any(hasattr(args, dest) for dest in fusedrl_defaults())
+
+
+def check_at_first_use(args) -> None:
+    """The startup checks, where a package loss or hook first runs inside slime's trainer.
+
+    Refuses (ValueError naming the flag) a configuration the startup checks refuse, args that
+    never saw the package's flags (slime's own parser drops them, so `--loss-aggregation ...`
+    given to slime's `train.py` would silently not apply), and any setting the startup checks
+    would have changed but slime or Megatron have already read (the per-token switch, the rollout,
+    generate and reducer hooks). Checks each args object once.
+    """
+    checked = _CHECKED.get(id(args))
+    if checked is not None and checked() is args:
+        return
+    defaults = fusedrl_defaults()
+    missing = {dest: default for dest, default in defaults.items() if not hasattr(args, dest)}
+    policy.validate_args(argparse.Namespace(**{**vars(args), **missing}))  # slime's flags, named first
+    if len(missing) == len(defaults):
+        raise ValueError(
+            f"--loss-aggregation, --pg-loss-type and the package's other flags are not on slime's args: slime's "
+            f"parser drops flags it does not define, so given to slime's own train.py they never arrive. Start "
+            f"training through `{ENTRY_POINT} ...` (or set them in --custom-config-path's YAML)"
+        )
+    for dest, default in missing.items():  # some given another way (--custom-config-path's YAML)
+        setattr(args, dest, default)
+    resolved = copy.copy(args)
+    validate_fusedrl_args(resolved)
+    for dest, value in vars(resolved).items():
+        if getattr(args, dest, None) == value:
+            continue
+        if dest not in LATE_RESOLVABLE:
+            raise ValueError(
+                f"--{dest.replace('_', '-')} must be {value!r} for this configuration, got "
+                f"{getattr(args, dest, None)!r}: slime reads it before the package's code first runs, so only the "
+                f"startup checks can set it; give it on the command line or start through `{ENTRY_POINT} ...`"
+            )
+        setattr(args, dest, value)
+    _CHECKED[id(args)] = weakref.ref(args)

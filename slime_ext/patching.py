@@ -27,6 +27,7 @@ import sys
 from typing import Callable, Dict, List, NamedTuple, Tuple
 
 from . import age
+from .arguments import check_at_first_use, configures_package
 from .flags.sfc import uses_sfc
 from .hooks import load_function
 
@@ -105,9 +106,12 @@ def _rebind_everywhere(original: Callable, new: Callable) -> None:
 
 
 def install(args=None) -> None:
-    """slime's init hook: patch the targets in every loaded module (idempotent), start the
+    """slime's init hook: run the package's flag checks when its flags, losses or hooks are
+    configured (`arguments.check_at_first_use`), patch the targets in every loaded module (idempotent), start the
     weight-version age bookkeeping when the SFC loss is configured, then run the user's own init
     hook when the entry point moved it to --fusedrl-user-init-path."""
+    if args is not None and configures_package(args):
+        check_at_first_use(args)
     for target in TARGETS:
         _rebind_everywhere(*_replacement_for(target))
     if args is not None and uses_sfc(args):

@@ -40,8 +40,6 @@ class ResponseTokens(NamedTuple):
         in the CP layout megatron-core and `args.allgather_cp` select."""
         if logits.dim() != 3 or logits.shape[0] != 1:
             raise ValueError(f"logits must have shape [1, T, V/tp], got {tuple(logits.shape)}")
-        if getattr(args, "qkv_format", "thd") != "thd":
-            raise ValueError(f"--qkv-format {args.qkv_format} is not supported: the fused path reads slime's packed thd layout")
         totals, responses = list(total_lengths), list(response_lengths)
         cp_rank, cp_size = megatron.cp_rank_and_size()
         allgather = bool(getattr(args, "allgather_cp", False)) and cp_size > 1

@@ -1,5 +1,14 @@
 """Drive fusedrl's slime extensions the way slime does, without slime.
 
+slime's real code (FUSEDRL_SLIME_SRC, `tests/upstream_slime.py`) runs in
+`tests/test_upstream_slime_*.py`: its rollout conversion, DP split, `get_batch`, `DataIterator`,
+`loss_function` and reducer (with and without `rollout_mask_sums`), its parser and its own float32
+log-prob path next to the float64 truth. What stays here is what those tests cannot serve, each
+part for the reason given: the package's unit and kernel-parity tests (policy loss, SFC loss,
+aggregation, log-prob layouts) run on every machine, also without a slime checkout, and at shapes
+and inputs (top-p replay ids, -inf columns, hand-placed draws and weight versions) that slime's
+rollout pipeline cannot be made to produce from plain samples.
+
 Four parts, written from slime's documented behaviour (docs/slime.md; slime's
 `megatron_utils/data.py: get_batch`, `cp_utils.py`, `loss.py: loss_function`), independently of the
 package's own layout code:
@@ -7,8 +16,12 @@ package's own layout code:
 - Layouts: which token positions of a sample a context-parallel rank holds (zigzag, or a piece of
   the global stream under allgather-CP), packing per-sample rows into a rank's logits, slicing
   per-token response tensors as slime's batch carries them.
-- Batches: deterministic slime-like samples and the per-rank micro-batch dict with slime's keys.
-- slime's loss wrapper: the `sum_of_sample_mean` reducer and the scaling of the returned loss.
+- Batches: deterministic slime-like samples and the per-rank micro-batch dict with slime's keys
+  (kept: the carried SFC draws and versions are placed by hand; slime's `get_batch` with carried
+  data runs in test_upstream_slime_train.py).
+- slime's loss wrapper: the `sum_of_sample_mean` reducer and the scaling of the returned loss
+  (kept for the tests without a slime checkout; its real twin, fallback to each sample's own mask
+  sum included, is checked in test_upstream_slime_train.py).
 - Per-rank checks: a rank's logits and expected gradient, slime's loss wrapper run on a rank
   (the workers come from `distributed.get_pool`), and the comparison with a float64 reference.
 """
@@ -186,7 +199,7 @@ def slime_args(**overrides) -> Namespace:
         allgather_cp=False,
         advantage_estimator="grpo",
         eps_clip=0.2,
-        eps_clip_high=0.28,
+        eps_clip_high=None,  # slime's default: eps_clip (set below)
         eps_clip_c=None,
         entropy_coef=0.0,
         use_kl_loss=False,
@@ -201,8 +214,21 @@ def slime_args(**overrides) -> Namespace:
         custom_pg_loss_reducer_function_path=None,
         recompute_loss_function=False,
         loss_aggregation="sample_mean",
+        pg_loss_type="ppo",
+        # what the package's startup checks install or read, as they leave it (the losses re-check at first use)
+        rollout_top_k=-1,
+        rollout_batch_size=1,
+        n_samples_per_prompt=1,
+        global_batch_size=None,
+        num_steps_per_rollout=None,
+        load_debug_rollout_data=None,
+        rollout_function_path="fusedrl.slime_ext.rollout.prompt_groups.generate_rollout",
+        loss_aggregation_inner_rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+        custom_generate_function_path="fusedrl.slime_ext.rollout.sfc_draws.generate",
     )
     args.update(overrides)
+    if args["eps_clip_high"] is None:
+        args["eps_clip_high"] = args["eps_clip"]
     return Namespace(**args)
 
 

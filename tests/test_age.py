@@ -21,16 +21,24 @@ class FakeUpdater:
         self.weight_version += 1
 
 
+def fake_updater_package(monkeypatch):
+    """slime's updater package, empty (slime's real one: tests/test_upstream_slime_train.py)."""
+    package = types.ModuleType(age.UPDATER_PACKAGE)
+    package.__path__ = []
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+
+
 @pytest.fixture
 def slime_world(monkeypatch):
     """A fake updater module under slime's package name, a fresh clock, installed hooks."""
+    fake_updater_package(monkeypatch)
     module = types.ModuleType(f"{age.UPDATER_PACKAGE}.fake_updater")
     updater_cls = type("FakeUpdater", (FakeUpdater,), {"__module__": module.__name__, "update_weights": FakeUpdater.update_weights})
     module.FakeUpdater = updater_cls
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setattr(age, "CLOCK", age.AgeClock())
     args = Namespace(custom_megatron_before_train_step_hook_path=None)
-    age.install(args, updater_modules=(module.__name__,))
+    age.install(args)
     return args, updater_cls()
 
 
@@ -79,16 +87,17 @@ def test_user_hook_is_chained(monkeypatch):
     module.hook = lambda *a: calls.append(a[1:3])
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setattr(age, "CLOCK", age.AgeClock())
+    fake_updater_package(monkeypatch)
     args = Namespace(custom_megatron_before_train_step_hook_path="fusedrl_test_user_hooks.hook")
-    age.install(args, updater_modules=())
-    age.install(args, updater_modules=())  # twice is harmless
+    age.install(args)
+    age.install(args)  # twice is harmless
     age.before_train_step(args, 3, 1, None, None, None)
     assert calls == [(3, 1)] and age.CLOCK.steps_started == 1
 
 
 def test_wrapping_twice_records_once(slime_world):
     args, updater = slime_world
-    age.install(args, updater_modules=(type(updater).__module__,))
+    age.install(args)
     updater.update_weights()
     assert age.CLOCK.push_steps == {1: 0}
 

@@ -17,7 +17,9 @@ def parse(*flags, loss_type="custom_loss", per_token=False, reducer=None, rollou
     assert aggregation_flags.add_arguments(parser) is parser
     args = parser.parse_args(list(flags))
     args.loss_type = loss_type
-    args.calculate_per_token_loss = per_token
+    args.calculate_per_token_loss = getattr(args, "calculate_per_token_loss", False) or per_token
+    args.rollout_batch_size, args.n_samples_per_prompt, args.global_batch_size = 4, 2, 8
+    args.num_steps_per_rollout = args.load_debug_rollout_data = None
     args.custom_pg_loss_reducer_function_path = reducer
     args.rollout_function_path = rollout
     return args
@@ -58,10 +60,30 @@ def test_sample_weighted_modes_refuse_per_token_loss(mode):
         aggregation_flags.validate_args(parse("--loss-aggregation", mode, per_token=True), implied=None)
 
 
-def test_token_mean_sets_per_token_loss():
+def test_token_mean_sets_per_token_loss_while_parsing():
     args = parse("--loss-aggregation", "token_mean")
+    assert args.calculate_per_token_loss is True
     aggregation_flags.validate_args(args, implied=None)
     assert args.calculate_per_token_loss is True
+
+
+def test_token_mean_refuses_per_token_loss_left_off():
+    args = parse()
+    args.loss_aggregation = "token_mean"  # as from a YAML config, after the parse
+    with pytest.raises(ValueError, match="--calculate-per-token-loss is off"):
+        aggregation_flags.validate_args(args, implied=None)
+
+
+@pytest.mark.parametrize(
+    "setting,value,named",
+    [("num_steps_per_rollout", 2, "--num-steps-per-rollout"), ("global_batch_size", 4, "--global-batch-size 4"),
+     ("load_debug_rollout_data", "/x/rollout_{rollout_id}.pt", "--load-debug-rollout-data")],
+)
+def test_prompt_mean_refuses_settings_that_break_its_denominators(setting, value, named):
+    args = parse("--loss-aggregation", "prompt_mean")
+    setattr(args, setting, value)
+    with pytest.raises(ValueError, match=named):
+        aggregation_flags.validate_args(args, implied=None)
 
 
 @pytest.mark.parametrize("per_token,mode", [(False, "sample_mean"), (True, "token_mean")])

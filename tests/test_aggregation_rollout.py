@@ -180,3 +180,15 @@ def test_readers_reject_missing_and_misaligned_tensors():
     with pytest.raises(ValueError, match=r"the micro-batch carries no 'fusedrl_missing' \(carried keys: \['fusedrl_s', 'fusedrl_t'\]\)"):
         carry.per_sample(batch, "fusedrl_missing")
 
+
+
+@pytest.mark.parametrize("global_batch_size", [4, 6])
+def test_prompt_mean_refuses_a_rollout_slime_would_not_train_whole(global_batch_size):
+    """uneven_groups() holds 5 rollouts: slime's DP schedule drops the fifth at 4 per step (its masks
+    would still count) and cannot build a step of 6."""
+    args = wrapper_args()
+    args.global_batch_size = global_batch_size
+    with pytest.raises(ValueError, match=f"returned 5 rollouts, but slime trains one step of --global-batch-size {global_batch_size}"):
+        prompt_groups.generate_rollout(args, 0, uneven_groups())
+    args.global_batch_size = 5
+    assert len(prompt_groups.generate_rollout(args, 0, uneven_groups())) == 3

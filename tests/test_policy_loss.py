@@ -120,7 +120,8 @@ CASES = {
     "dual_clip_entropy_kl": (1, 2, dict(eps_clip_c=3.0, entropy_coef=0.02, use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="low_var_kl")),
     "cispo_entropy": (2, 2, dict(advantage_estimator="cispo", entropy_coef=0.01)),
     "cispo_unbiased_kl_k2": (1, 1, dict(advantage_estimator="cispo", use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k2", use_unbiased_kl=True)),
-    "dual_clip": (2, 2, dict(eps_clip_c=2.5)),
+    "dual_clip_asymmetric": (2, 2, dict(eps_clip_c=2.5, eps_clip_high=0.28)),
+    "cispo_asymmetric": (1, 1, dict(advantage_estimator="cispo", eps_clip_high=0.28)),
     "ppo_rollout_logprobs_kl_metric_only": (1, 2, dict(use_rollout_logprobs=True, use_kl_loss=True, kl_loss_coef=0.0)),
     "ppo_top_p_temperature_allgather": (2, 2, dict(rollout_temperature=0.7, rollout_top_p=0.9, allgather_cp=True, entropy_coef=0.01)),
     "ppo_constant": (2, 1, dict(loss_aggregation="constant", loss_aggregation_divisor=7.0)),
@@ -198,7 +199,11 @@ def test_policy_loss_is_bitwise_deterministic():
         (dict(use_kl_loss=True, kl_loss_type="k9"), "--kl-loss-type"),
         (dict(use_opsm=True), "--use-opsm"),
         (dict(get_mismatch_metrics=True), "--get-mismatch-metrics"),
-        (dict(use_score_centering=True), "--use-score-centering"),
+        (dict(use_tis=True), "--use-tis"),
+        (dict(advantage_estimator="gspo"), "--advantage-estimator gspo"),
+        (dict(custom_pg_loss_reducer_function_path="a.b"), "--custom-pg-loss-reducer-function-path"),
+        (dict(custom_loss_function_path="fusedrl.slime_ext.losses.policy.policy_loss", use_opsm=True), "--use-opsm"),
+        (dict(loss_type="policy_loss", pg_loss_type="reinforce"), "--pg-loss-type reinforce"),
     ],
 )
 def test_policy_validation_names_the_flag(overrides, named):

@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from slime_harness import slime_args
 
 import fusedrl.slime_ext as slime_ext
 from fusedrl.slime_ext import age, logprobs, patching
@@ -126,10 +127,12 @@ def test_install_calls_the_user_init_hook_after_patching(fake_slime, monkeypatch
     ("fusedrl.slime_ext.losses.sfc_loss", True),
     ("fusedrl.slime_ext.losses.policy_loss", False),
 ])
-def test_install_starts_age_bookkeeping_only_for_the_sfc_loss(fake_slime, loss_path, counts_ages):
-    args = argparse.Namespace(
-        loss_type="custom_loss", custom_loss_function_path=loss_path, custom_megatron_before_train_step_hook_path=None
-    )
+def test_install_starts_age_bookkeeping_only_for_the_sfc_loss(fake_slime, monkeypatch, loss_path, counts_ages):
+    updaters = types.ModuleType(age.UPDATER_PACKAGE)  # slime's weight updater package, empty here
+    updaters.__path__ = []
+    monkeypatch.setitem(sys.modules, updaters.__name__, updaters)
+    sfc_flags = dict(sfc_num_auxiliary_token_samples=2, sfc_kl_beta=0.1) if counts_ages else {}
+    args = slime_args(custom_loss_function_path=loss_path, custom_megatron_before_train_step_hook_path=None, **sfc_flags)
     slime_ext.install(args)
     expected = age.HOOK_PATH if counts_ages else None
     assert args.custom_megatron_before_train_step_hook_path == expected

@@ -110,9 +110,6 @@ def test_get_log_probs_rejects_loss_data_and_bad_shapes():
         get_log_probs_and_entropy(logits, non_loss_data=False, **common)
     with pytest.raises(ValueError, match="logits"):
         get_log_probs_and_entropy(logits[0], **common)
-    args.qkv_format = "bshd"
-    with pytest.raises(ValueError, match="--qkv-format bshd"):
-        get_log_probs_and_entropy(logits, **common)
 
 
 def _keep_mask(num_rows, vocab, gen):

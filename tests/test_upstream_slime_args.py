@@ -30,6 +30,9 @@ CHECKED = {
     "policy_loss": POLICY_LOSS,
     "sfc_loss": SFC_LOSS,
     "constant": ["--loss-aggregation", "constant", "--loss-aggregation-divisor", "64"],
+    "prompt_mean": POLICY_LOSS + ["--loss-aggregation", "prompt_mean"],
+    "token_mean": ["--loss-aggregation", "token_mean"],
+    "reinforce": POLICY_LOSS + ["--pg-loss-type", "reinforce"],
 }
 # prompt_mean next to settings that break per-rollout-call group denominators, and the flag to name.
 PROMPT_MEAN_BREAKERS = {
@@ -146,57 +149,19 @@ def test_slime_defaults_eps_clip_high_to_eps_clip(observed):
     assert observed["eps_clip_high"] == 0.3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12 item 1: --pg-loss-type (README, losses/policy.py) is neither a slime flag nor "
-    "registered by fusedrl; slime drops it and PPO-clip runs (or the README claim and policy.py's "
-    "reader go, and this test with them)",
-)
 def test_pg_loss_type_reinforce_is_a_registered_flag(observed):
     assert observed["pg_loss_type"] == ([], "reinforce")
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        pytest.param(
-            "policy_loss",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 12 items 1 and 3: the startup checks read pg_loss_type and use_score_centering, "
-                "which no parser defines (a default stands in, so the check passes quietly)",
-            ),
-        ),
-        pytest.param(
-            "sfc_loss",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 12 item 3: the SFC startup check reads flush_cache_interval, which slime does not "
-                "define (a user's --flush-cache-interval is dropped, the check passes on its default)",
-            ),
-        ),
-        "constant",
-    ],
-)
+@pytest.mark.parametrize("config", list(CHECKED))
 def test_startup_checks_read_only_flags_slime_or_fusedrl_define(observed, config):
     assert observed["undefined_reads"][config] == set()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12 item 5: token_mean sets args.calculate_per_token_loss in fusedrl's validate, after "
-    "slime's parse_args has run Megatron's validate_args on the unset flag",
-)
 def test_token_mean_turns_on_per_token_loss_within_slimes_parse(observed):
     assert observed["token_mean_per_token"] is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12 item 6: prompt_mean denominators come from the rollout wrapper, per rollout call: "
-    "--load-debug-rollout-data bypasses the wrapper, and with several steps per rollout a group spans "
-    "steps; neither is refused at startup (if the fix makes them exact instead, test that here)",
-)
 @pytest.mark.parametrize("setting", list(PROMPT_MEAN_BREAKERS))
 def test_prompt_mean_refuses_settings_that_break_its_denominators(observed, setting):
     error = observed["prompt_mean_errors"][setting]

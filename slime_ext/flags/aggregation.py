@@ -1,13 +1,15 @@
 """The --loss-aggregation flags: registered on slime's parser, resolved and checked at startup.
 
 The modes are defined in `slime_ext/aggregation.py` (train side). Resolving a mode may install a
-slime hook: `token_mean` turns --calculate-per-token-loss on, `constant` with slime's own policy
-loss installs the package's pg_loss reducer, and `prompt_mean` puts the package's rollout wrapper
-(`rollout/prompt_groups.py`) in place of --rollout-function-path. Another feature's flag may stand
-for a mode (--sfc-loss-agg-mode): it comes in as an `Implied` choice, which the caller can only
-have by running that feature's checks first.
+slime hook: `constant` with slime's own policy loss installs the package's pg_loss reducer, and
+`prompt_mean` puts the package's rollout wrapper (`rollout/prompt_groups.py`) in place of
+--rollout-function-path. `token_mean` needs --calculate-per-token-loss, which the flag itself turns
+on while slime's parser runs (Megatron validates it inside that parse, before any check here).
+Another feature's flag may stand for a mode (--sfc-loss-agg-mode): it comes in as an `Implied`
+choice, which the caller can only have by running that feature's checks first.
 """
 
+import argparse
 import math
 from typing import NamedTuple, Optional
 
@@ -25,12 +27,29 @@ class Implied(NamedTuple):
     flag: str
 
 
+class PerTokenSwitch(argparse.Action):
+    """Stores the flag's value and, for the values in `per_token_values`, turns on
+    --calculate-per-token-loss in the same parse: slime's parse_args runs Megatron's validate_args
+    before any check of the package could set it."""
+
+    def __init__(self, option_strings, dest, per_token_values=(), **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.per_token_values = tuple(per_token_values)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        if values in self.per_token_values:
+            namespace.calculate_per_token_loss = True
+
+
 def add_arguments(parser):
     """Register the aggregation flags on slime's parser."""
     parser.add_argument(
         "--loss-aggregation",
         choices=MODES,
         default=None,
+        action=PerTokenSwitch,
+        per_token_values=["token_mean"],
         help="How pg_loss is aggregated (ScaleRL): sample_mean (slime's default), prompt_mean "
         "(DAPO), token_mean (sets --calculate-per-token-loss) or constant (Dr.GRPO). Default: "
         "sample_mean, or token_mean when --calculate-per-token-loss is given.",
@@ -92,10 +111,15 @@ def validate_args(args, implied: Optional[Implied]) -> None:
             f"--loss-aggregation {mode} weighs samples, but --calculate-per-token-loss selects slime's "
             "per-token mean: use --loss-aggregation token_mean for that"
         )
-    if mode == "token_mean":
-        args.calculate_per_token_loss = True
+    if mode == "token_mean" and not per_token:
+        raise ValueError(
+            "--loss-aggregation token_mean runs on slime's per-token path, but --calculate-per-token-loss is off: "
+            "Megatron validates that flag inside slime's parse, so set it there (the flag does when parsed by "
+            "slime's parser with the package's flags, as fusedrl.slime_ext.train parses)"
+        )
     _check_pg_loss_path(args, mode)
     if mode == "prompt_mean":
+        _check_one_step_per_rollout(args)
         _install_rollout_wrapper(args)
 
 
@@ -142,6 +166,27 @@ def _check_pg_loss_path(args, mode: str) -> None:
                 "--loss-aggregation constant with --loss-type policy_loss needs --custom-pg-loss-reducer-"
                 f"function-path {REDUCER_PATH}, got {reducer}"
             )
+
+
+def _check_one_step_per_rollout(args) -> None:
+    """prompt_mean's denominators are summed over one rollout call's samples, so that call must be
+    exactly one optimizer step, built from rollouts the package's rollout wrapper saw."""
+    if getattr(args, "load_debug_rollout_data", None) is not None:
+        raise ValueError(
+            "--loss-aggregation prompt_mean cannot run with --load-debug-rollout-data: slime then loads saved "
+            "samples instead of calling the rollout function, so the package's rollout wrapper never computes "
+            "the prompt-group denominators"
+        )
+    steps = getattr(args, "num_steps_per_rollout", None)
+    per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
+    batch = getattr(args, "global_batch_size", None)
+    if (steps is not None and steps != 1) or (batch is not None and batch != per_rollout):
+        raise ValueError(
+            f"--loss-aggregation prompt_mean needs one optimizer step per rollout (--num-steps-per-rollout 1, "
+            f"--global-batch-size = --rollout-batch-size x --n-samples-per-prompt = {per_rollout}), got "
+            f"--num-steps-per-rollout {steps}, --global-batch-size {batch}: a prompt group's denominator is summed "
+            "over one rollout, and a group split across steps would be divided by tokens another step trains"
+        )
 
 
 def _install_rollout_wrapper(args) -> None:

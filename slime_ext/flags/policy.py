@@ -1,18 +1,36 @@
-"""Startup checks of slime's flags for the package's policy loss (it registers no flags of its own).
+"""The policy loss's flag (--pg-loss-type) and its startup checks of slime's flags.
 
 slime features `fusedrl.slime_ext.losses.policy_loss` does not implement are refused here (GSPO,
-OPSM, TIS / mismatch metrics, score centering, a custom pg_loss reducer), never ignored.
+OPSM, TIS / mismatch metrics, a custom pg_loss reducer), never ignored. Every flag read here is
+slime's (slime/utils/arguments.py) or registered below.
 """
 
-LOSS_PATH = "fusedrl.slime_ext.losses.policy_loss"
+LOSS_PATHS = ("fusedrl.slime_ext.losses.policy_loss", "fusedrl.slime_ext.losses.policy.policy_loss")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-UNSUPPORTED_FLAGS = ("use_opsm", "use_tis", "get_mismatch_metrics", "use_score_centering")
+PG_LOSS_TYPES = ("ppo", "reinforce")
+UNSUPPORTED_FLAGS = ("use_opsm", "use_tis", "get_mismatch_metrics")
+
+
+def uses_policy_loss(args) -> bool:
+    """Whether slime's configured loss is the package's policy loss (either of its paths)."""
+    return getattr(args, "loss_type", None) == "custom_loss" and getattr(args, "custom_loss_function_path", None) in LOSS_PATHS
+
+
+def add_arguments(parser):
+    """Register --pg-loss-type on slime's parser."""
+    parser.add_argument(
+        "--pg-loss-type",
+        choices=PG_LOSS_TYPES,
+        default="ppo",
+        help="Objective of fusedrl.slime_ext.losses.policy_loss: ppo (slime's: PPO clip, or CISPO under "
+        "--advantage-estimator cispo) or reinforce (ratio-free -A log pi). Only with that loss.",
+    )
+    return parser
 
 
 def pg_loss_type(args) -> str:
-    """slime's choice of objective: reinforce (--pg-loss-type reinforce), cispo (advantage
-    estimator cispo) or ppo."""
-    if getattr(args, "pg_loss_type", None) == "reinforce":
+    """The objective: reinforce (--pg-loss-type reinforce), cispo (advantage estimator cispo) or ppo."""
+    if args.pg_loss_type == "reinforce":
         if args.advantage_estimator in ("gspo", "cispo"):
             raise ValueError(
                 f"--pg-loss-type reinforce cannot combine with --advantage-estimator {args.advantage_estimator}"
@@ -22,18 +40,23 @@ def pg_loss_type(args) -> str:
 
 
 def validate_args(args) -> None:
-    """Startup checks when this loss is configured; ValueError naming the flag."""
-    if getattr(args, "loss_type", None) != "custom_loss" or getattr(args, "custom_loss_function_path", None) != LOSS_PATH:
+    """Startup checks of the policy loss's configuration; ValueError naming the flag."""
+    if not uses_policy_loss(args):
+        if getattr(args, "pg_loss_type", "ppo") != "ppo":
+            raise ValueError(
+                f"--pg-loss-type {args.pg_loss_type} is set but the loss is not {LOSS_PATHS[0]} "
+                "(--loss-type custom_loss --custom-loss-function-path ...), which alone reads it"
+            )
         return
     pg_loss_type(args)
     if args.advantage_estimator == "gspo":
-        raise ValueError(f"--advantage-estimator gspo (sequence-level ratio) is not implemented by {LOSS_PATH}")
+        raise ValueError(f"--advantage-estimator gspo (sequence-level ratio) is not implemented by {LOSS_PATHS[0]}")
     for flag in UNSUPPORTED_FLAGS:
         if getattr(args, flag, False):
-            raise ValueError(f"--{flag.replace('_', '-')} is not implemented by {LOSS_PATH}")
+            raise ValueError(f"--{flag.replace('_', '-')} is not implemented by {LOSS_PATHS[0]}")
     if getattr(args, "custom_pg_loss_reducer_function_path", None) is not None:
         raise ValueError(
-            f"--custom-pg-loss-reducer-function-path is not used by {LOSS_PATH}; choose --loss-aggregation instead"
+            f"--custom-pg-loss-reducer-function-path is not used by {LOSS_PATHS[0]}; choose --loss-aggregation instead"
         )
     if args.eps_clip_c is not None and not args.eps_clip_c > 1.0:
         raise ValueError(f"--eps-clip-c (dual-clip lower bound) must be > 1.0, got {args.eps_clip_c}")

@@ -8,7 +8,7 @@ When the SFC loss is configured, the checks install SFC's rollout side as slime'
 import math
 from typing import Optional
 
-from .aggregation import Implied
+from .aggregation import Implied, PerTokenSwitch
 
 LOSS_PATHS = ("fusedrl.slime_ext.losses.sfc_loss", "fusedrl.slime_ext.losses.sfc.sfc_loss")
 GENERATE_PATH = "fusedrl.slime_ext.rollout.sfc_draws.generate"
@@ -44,8 +44,11 @@ def add_arguments(parser):
         "--sfc-loss-agg-mode",
         choices=sorted(AGG_MODES),
         default=None,
+        action=PerTokenSwitch,
+        per_token_values=[flag for flag, (mode, _) in AGG_MODES.items() if mode == "token_mean"],
         help="Aggregation of SFC's per-token loss: sample-mean (--loss-aggregation sample_mean), "
-        "token-mean (token_mean) or token-sum (constant with divisor 1). Default: --loss-aggregation.",
+        "token-mean (token_mean, sets --calculate-per-token-loss) or token-sum (constant with divisor 1). "
+        "Default: --loss-aggregation.",
     )
     parser.add_argument(
         "--sfc-inner-generate-function-path",
@@ -92,7 +95,6 @@ def _check_untruncated_sampling(args) -> None:
         ("rollout_top_p", 1.0, "sampling must be untruncated"),
         ("rollout_top_k", -1, "sampling must be untruncated"),
         ("entropy_coef", 0.0, "SFC has no entropy term"),
-        ("flush_cache_interval", 1, "an in-place pause lets one request span two weight versions"),
     )
     for name, value, why in expected:
         got = getattr(args, name, value)

@@ -16,15 +16,18 @@ loss to the reference model (k1, k2, k3, low_var_kl; --use-unbiased-kl) and
 Per-token tensors follow slime's CP layout: the rank's zigzag response positions, samples
 concatenated (old log-probs and advantages arrive sliced that way).
 
-slime features this loss does not implement are refused at startup (`flags/policy.py`: GSPO,
-OPSM, TIS / mismatch metrics, score centering, a custom pg_loss reducer), never ignored.
+slime features this loss does not implement are refused (`flags/policy.py`: GSPO, OPSM, TIS /
+mismatch metrics, a custom pg_loss reducer), never ignored: at startup through the package's entry
+point, and at the loss's first call whichever way slime was started.
 """
 
 import torch
 
+from ..aggregation import aggregate_pg_loss
+from ..arguments import check_at_first_use
 from ..flags.policy import KL_TYPES, pg_loss_type
 from ..logprobs import response_log_probs
-from .contract import aggregate_pg_term, detached, reaching_logits
+from .contract import detached, reaching_logits
 
 
 def approx_kl(log_probs, ref_log_probs, kl_loss_type: str, importance_ratio=None) -> torch.Tensor:
@@ -79,6 +82,7 @@ def _top_p_kwargs(args, batch) -> dict:
 def policy_loss(args, batch, logits, sum_of_sample_mean):
     """slime custom-loss entry: `(loss, metrics)` for one micro-batch, metrics detached 0-d sums of
     per-sample means named as slime names them."""
+    check_at_first_use(args)
     kind = pg_loss_type(args)
     per_sample_log_probs, per_sample_entropy = response_log_probs(
         logits,
@@ -103,7 +107,7 @@ def policy_loss(args, batch, logits, sum_of_sample_mean):
     else:
         pg_loss, pg_clipfrac = clipped_surrogate(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
 
-    pg_loss = aggregate_pg_term(args, batch, pg_loss, sum_of_sample_mean)
+    pg_loss = aggregate_pg_loss(args, batch, pg_loss)
     entropy_loss = sum_of_sample_mean(torch.cat(per_sample_entropy))
     loss = pg_loss - args.entropy_coef * entropy_loss
     metrics = {

@@ -13,9 +13,11 @@ import torch
 
 from .. import carry
 from ..age import CLOCK
+from ..aggregation import aggregate_pg_loss
+from ..arguments import check_at_first_use
 from ..responses import ResponseTokens
 from .centering import CenteredScores, center, centered_scores, kl_coefficients, sfc_token_loss
-from .contract import aggregate_pg_term, detached, reaching_logits
+from .contract import detached, reaching_logits
 
 __all__ = ["CenteredScores", "centered_scores", "kl_coefficients", "sfc_loss", "sfc_token_loss"]
 
@@ -27,11 +29,12 @@ def sfc_loss(args, batch, logits, sum_of_sample_mean):
     sfc_centered_score, sfc_kl, sfc_age, sfc_stale_frac, and ppo_kl = rollout log-prob - current
     log-prob when the batch has rollout_log_probs (the drift between trainer and sampler).
     """
+    check_at_first_use(args)
     scores, ages = _token_scores(args, batch, logits)
     advantages = _cat(batch["advantages"], scores.logp)
     kl_coefs = kl_coefficients(ages, float(args.sfc_kl_beta))
     per_token = sfc_token_loss(scores, advantages, kl_coefs)
-    loss = reaching_logits(aggregate_pg_term(args, batch, per_token, sum_of_sample_mean), logits, per_token.numel())
+    loss = reaching_logits(aggregate_pg_loss(args, batch, per_token), logits, per_token.numel())
     metrics = {
         "loss": loss,
         "pg_loss": loss,

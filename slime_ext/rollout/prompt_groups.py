@@ -10,8 +10,10 @@ aggregation flag checks (`flags/aggregation.py`) install it in place of --rollou
 under prompt_mean only. Other modes never read `group_index` and add nothing.
 
 N and P are counted over the samples one rollout call returns (N = distinct rollouts, P =
-distinct prompt groups): one optimizer step when --num-steps-per-rollout is 1; with several
-steps, the rollout's average group size stands in for each step's.
+distinct prompt groups), which must be exactly one optimizer step: the startup checks refuse
+several steps per rollout and --load-debug-rollout-data (slime then bypasses the rollout
+function), and `generate_rollout` refuses an output of other than --global-batch-size rollouts
+(slime's DP schedule would drop the surplus while its masks still counted in the denominators).
 """
 
 from typing import List
@@ -29,10 +31,22 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
     output = inner(args, rollout_id, data_source, evaluation=evaluation)
     if not evaluation and args.loss_aggregation == "prompt_mean":
         samples = _leaf_samples(getattr(output, "samples", output))
+        _check_one_step(samples, getattr(args, "global_batch_size", None))
         denominators = prompt_denominators(samples, strict_scale=args.loss_aggregation_strict_prompt_scale)
         for sample, denominator in zip(samples, denominators, strict=True):
             carry.attach(sample, carry.PROMPT_DENOMINATOR_KEY, torch.tensor([denominator], dtype=torch.float64))
     return output
+
+
+def _check_one_step(samples, global_batch_size) -> None:
+    """The rollout's samples are exactly the one step slime's DP schedule trains, none dropped."""
+    num_rollouts = _num_rollouts(samples)
+    if global_batch_size is not None and num_rollouts != global_batch_size:
+        raise ValueError(
+            f"--loss-aggregation prompt_mean: the rollout function returned {num_rollouts} rollouts, but slime trains "
+            f"one step of --global-batch-size {global_batch_size} rollouts per rollout call and drops the rest, "
+            "whose loss masks would still count in their prompt groups' denominators"
+        )
 
 
 def _leaf_samples(node) -> list:
