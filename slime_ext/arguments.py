@@ -5,15 +5,16 @@ hands `add_fusedrl_arguments` to `slime.utils.arguments.parse_args(add_custom_ar
 and runs `validate_fusedrl_args` on the parsed namespace before training starts. Each feature's
 flags and checks live in `flags/`; the order they run in is carried by the data they pass on:
 the aggregation checks take, as an argument, the mode the SFC checks say --sfc-loss-agg-mode
-stands for. The policy-loss checks read slime's own flags only.
+stands for. The policy-loss checks read slime's own flags only; so do the fused LM head's, besides
+its own flag.
 """
 
-from .flags import aggregation, policy, sfc
+from .flags import aggregation, lm_head, policy, sfc
 
 
 def add_fusedrl_arguments(parser):
     """Register every feature's flags on slime's parser; returns the parser (slime's convention)."""
-    for feature in (aggregation, sfc):
+    for feature in (aggregation, sfc, lm_head):
         feature.add_arguments(parser)
     return parser
 
@@ -26,3 +27,4 @@ def validate_fusedrl_args(args) -> None:
     """
     aggregation.validate_args(args, implied=sfc.validate_args(args))
     policy.validate_args(args)
+    lm_head.validate_args(args)
