@@ -5,7 +5,8 @@ hands `add_fusedrl_arguments` to `slime.utils.arguments.parse_args(add_custom_ar
 and runs `validate_fusedrl_args` on the parsed namespace before training starts. Each feature's
 flags and checks live in `flags/`; the order they run in is carried by the data they pass on:
 the aggregation checks take, as an argument, the mode the SFC checks say --sfc-loss-agg-mode
-stands for. The policy-loss checks read slime's own flags and --pg-loss-type.
+stands for. The policy-loss checks read slime's own flags and --pg-loss-type; the fused LM head's read
+slime's flags besides its own.
 
 The package's losses and hooks also run inside slime's trainer when it was started by slime's
 own `train.py` (the flags then never reached slime's args), so each calls `check_at_first_use`
@@ -17,7 +18,7 @@ import argparse
 import copy
 import weakref
 
-from .flags import aggregation, policy, sfc
+from .flags import aggregation, lm_head, policy, sfc
 
 # Resolved at first use without harm: only the package's own losses read them, per call.
 LATE_RESOLVABLE = ("loss_aggregation", "loss_aggregation_divisor")
@@ -27,7 +28,7 @@ _CHECKED = {}  # id(args) -> weak reference, for the args objects that passed ch
 
 def add_fusedrl_arguments(parser):
     """Register every feature's flags on slime's parser; returns the parser (slime's convention)."""
-    for feature in (aggregation, policy, sfc):
+    for feature in (aggregation, policy, sfc, lm_head):
         feature.add_arguments(parser)
     return parser
 
@@ -40,6 +41,7 @@ def validate_fusedrl_args(args) -> None:
     """
     aggregation.validate_args(args, implied=sfc.validate_args(args))
     policy.validate_args(args)
+    lm_head.validate_args(args)
 
 
 def fusedrl_defaults() -> dict:

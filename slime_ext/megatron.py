@@ -56,3 +56,23 @@ def train_args():
     from megatron.training.global_vars import get_args
 
     return get_args()
+
+
+def column_parallel_linear_type() -> type:
+    """megatron-core's `ColumnParallelLinear`, the class of GPTModel's output layer."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    return ColumnParallelLinear
+
+
+def column_parallel_input(layer, input_):
+    """The input `layer` (a `ColumnParallelLinear`) multiplies, through the region function its own
+    forward uses, so that the backward reduces the input gradient across tensor parallelism as the
+    layer's does: all-gather forward and reduce-scatter backward over the sequence dimension under
+    sequence parallelism, else identity forward and all-reduce backward."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+
+    group = getattr(layer, "tp_group", None)  # None: megatron-core's tensor-parallel group
+    if layer.sequence_parallel:
+        return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=group)
+    return copy_to_tensor_model_parallel_region(input_, group=group)

@@ -10,7 +10,10 @@ replaces, in every loaded module that holds them (the defining module and every 
   log-prob recompute paths run on the kernel with no other flag;
 - `slime.backends.megatron_utils.data.get_batch` by `carry.without_carried_inputs(get_batch)`,
   which keeps the package's carried tensors out of the model's forward kwargs (a no-op for batches
-  that carry none).
+  that carry none);
+- with --fusedrl-fused-lm-head only, `slime.backends.megatron_utils.model_provider.
+  get_model_provider_func` by `lm_head.handing_off_provider_func(original)`: the actor's output
+  layer hands its hidden states to the log-prob path instead of logits (`lm_head`).
 
 When the run was started through `fusedrl.slime_ext.train` and another init hook was given, the
 entry point moved it to `args.fusedrl_user_init_path`; `install` calls it after patching.
@@ -26,8 +29,9 @@ import inspect
 import sys
 from typing import Callable, Dict, List, NamedTuple, Tuple
 
-from . import age
+from . import age, lm_head
 from .arguments import check_at_first_use, configures_package
+from .flags import lm_head as lm_head_flags
 from .flags.sfc import uses_sfc
 from .hooks import load_function
 
@@ -62,6 +66,9 @@ TARGETS = (
     Target("slime.backends.megatron_utils.loss", "get_log_probs_and_entropy", _fused_get_log_probs),
     Target("slime.utils.ppo_utils", "calculate_log_probs_and_entropy", _fused_calculate_log_probs),
     Target("slime.backends.megatron_utils.data", "get_batch", _batch_without_carried_inputs),
+)
+FUSED_LM_HEAD_TARGETS = (
+    Target("slime.backends.megatron_utils.model_provider", "get_model_provider_func", lm_head.handing_off_provider_func),
 )
 
 _REPLACEMENTS: Dict[Tuple[str, str], Tuple[Callable, Callable]] = {}  # (module, name) -> (original, new)
@@ -107,12 +114,14 @@ def _rebind_everywhere(original: Callable, new: Callable) -> None:
 
 def install(args=None) -> None:
     """slime's init hook: run the package's flag checks when its flags, losses or hooks are
-    configured (`arguments.check_at_first_use`), patch the targets in every loaded module (idempotent), start the
+    configured (`arguments.check_at_first_use`), patch the targets in every loaded module
+    (idempotent; the output-layer hand-off only with --fusedrl-fused-lm-head), start the
     weight-version age bookkeeping when the SFC loss is configured, then run the user's own init
     hook when the entry point moved it to --fusedrl-user-init-path."""
     if args is not None and configures_package(args):
         check_at_first_use(args)
-    for target in TARGETS:
+    fused_lm_head = args is not None and lm_head_flags.enabled(args)
+    for target in TARGETS + (FUSED_LM_HEAD_TARGETS if fused_lm_head else ()):
         _rebind_everywhere(*_replacement_for(target))
     if args is not None and uses_sfc(args):
         age.install(args)
@@ -122,7 +131,8 @@ def install(args=None) -> None:
 
 
 def uninstall() -> None:
-    """Restore every patched attribute to slime's original."""
+    """Restore every patched attribute to slime's original and every handed-off output layer."""
+    lm_head.restore()
     while _PATCHED:
         module, name, original = _PATCHED.pop()
         setattr(module, name, original)

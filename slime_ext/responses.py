@@ -6,15 +6,17 @@ context-parallel layout, list the logits rows that predict response tokens and t
 each predicts, run `token_stats` over those rows only, and hand the per-token results back per
 sample in the layout of slime's batch (zigzag; allgather-CP results are redistributed to it).
 `ResponseTokens` does them once; the layouts themselves are the pure functions of
-`context_parallel`.
+`context_parallel`. Under --fusedrl-fused-lm-head the model output is the output layer's hidden
+states `[1, T, H]` instead (`lm_head`), and the kernel is `linear_token_stats` with the output
+weight: same rows, same results.
 """
 
 from typing import List, NamedTuple, Sequence
 
 import torch
 
-from ..kernels import token_stats
-from . import megatron
+from ..kernels import linear_token_stats, token_stats
+from . import lm_head, megatron
 from .context_parallel import SampleRows, allgather_to_zigzag, local_response_rows
 
 
@@ -67,9 +69,15 @@ class ResponseTokens(NamedTuple):
         parts = [full[s.positions.to(full.device)] for full, s in zip(per_sample, self.samples, strict=True)]
         return torch.cat(parts).to(self.rows.device)
 
-    def token_stats(self, logits: torch.Tensor, ids: torch.Tensor, **kwargs):
-        """`fusedrl.kernels.token_stats` over the response rows, on Megatron's tensor-parallel group."""
-        return token_stats(logits, ids, rows=self.rows, tp_group=megatron.tp_group(), **kwargs)
+    def token_stats(self, output: torch.Tensor, ids: torch.Tensor, **kwargs):
+        """Token statistics of the response rows on Megatron's tensor-parallel group, from the
+        model output: `token_stats` of the logits, or `linear_token_stats` of the hidden states and
+        output weight when the output layer handed off (--fusedrl-fused-lm-head)."""
+        weight = lm_head.output_weight()
+        if weight is None:
+            return token_stats(output, ids, rows=self.rows, tp_group=megatron.tp_group(), **kwargs)
+        hidden = lm_head.hidden_rows(output, weight)
+        return linear_token_stats(hidden, weight, ids, rows=self.rows, tp_group=megatron.tp_group(), **kwargs)
 
     def per_sample(self, values: torch.Tensor) -> List[torch.Tensor]:
         """Per-row values `[N, ...]` split per sample, in the layout of slime's batch (zigzag)."""

@@ -1,0 +1,128 @@
+"""The output-layer hand-off of --fusedrl-fused-lm-head: hidden states out of the model, no logits.
+
+slime's actor calls megatron-core's GPTModel, whose output layer (a `ColumnParallelLinear`)
+turns the decoder's hidden states `[S, B, H]` into vocabulary-parallel logits `[S, B, V/tp]`.
+Handed off, the layer returns the hidden states it would have multiplied instead, through the
+same tensor-parallel region function its forward uses (sequence-parallel all-gather, or the
+identity whose backward all-reduces), so their gradient is reduced across TP exactly as the
+layer's backward reduces it. The model then returns `[1, T, H]` where slime expects logits, and
+the log-prob path (`responses.ResponseTokens`) runs `linear_token_stats` on them with the weight
+the layer was called with: the shared embedding weight when embeddings are tied (GPTModel passes
+it in), else the layer's own.
+
+The hand-off is installed on the models slime builds for the actor role (a critic keeps its value
+head and the unfused path): the init hook wraps slime's `get_model_provider_func`
+(`patching.py`). `restore()` puts every handed-off layer's own forward back.
+"""
+
+import functools
+import types
+from typing import List, Optional
+
+import torch
+
+from . import megatron
+from .flags.lm_head import FLAG
+
+
+class _HandOffs:
+    """The layers handed off in this process and the weight of the most recent hand-off call.
+
+    slime's forward step runs the model and then its loss on the result, so the weight recorded by
+    the call that produced a model output is the one the loss reads."""
+
+    def __init__(self):
+        self.layers: List[torch.nn.Module] = []
+        self.weight: Optional[torch.Tensor] = None
+
+
+_STATE = _HandOffs()
+
+
+def _handed_off_forward(layer, input_, weight=None, runtime_gather_output=None):
+    """`ColumnParallelLinear.forward` of a handed-off output layer: `(hidden states, None)`."""
+    if runtime_gather_output:
+        raise ValueError(f"{FLAG}: the output layer was asked for gathered logits (runtime_gather_output=True)")
+    if weight is None:
+        weight = layer.weight
+    elif tuple(weight.shape) != (layer.output_size_per_partition, layer.input_size):
+        raise ValueError(
+            f"{FLAG}: the output layer was given a weight of shape {tuple(weight.shape)}, expected "
+            f"{(layer.output_size_per_partition, layer.input_size)}"
+        )
+    _STATE.weight = weight
+    return megatron.column_parallel_input(layer, input_), None
+
+
+def hand_off(layer) -> None:
+    """Make megatron-core output layer `layer` return its (gathered) input instead of logits.
+
+    Refuses, with a ValueError naming the flag, a layer whose logits something else would need or
+    whose backward the hand-off does not reproduce."""
+    from .patching import check_signature
+
+    if not isinstance(layer, megatron.column_parallel_linear_type()):
+        raise ValueError(f"{FLAG} needs megatron-core's ColumnParallelLinear as the output layer, got {type(layer).__name__}")
+    refusals = (
+        (layer.bias is not None, "has a bias"),
+        (layer.gather_output, "gathers its output (gather_output=True)"),
+        (getattr(layer, "disable_grad_reduce", False), "does not reduce its input gradient (disable_grad_reduce)"),
+        (getattr(layer, "is_expert", False), "is an expert layer"),
+        (getattr(layer.config, "defer_embedding_wgrad_compute", False), "defers its weight gradient"),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"{FLAG} cannot hand off this output layer: it {why}")
+    if any(handed is layer for handed in _STATE.layers):
+        return
+    forward = types.MethodType(_handed_off_forward, layer)
+    check_signature(layer.forward, forward, f"{type(layer).__name__}.forward")
+    layer.forward = forward
+    _STATE.layers.append(layer)
+
+
+def restore() -> None:
+    """Give every handed-off layer its own forward back."""
+    while _STATE.layers:
+        del _STATE.layers.pop().forward
+    _STATE.weight = None
+
+
+def output_weight() -> Optional[torch.Tensor]:
+    """The output weight `[V/tp, H]` of the most recent hand-off (None: the model returns logits)."""
+    return _STATE.weight
+
+
+def hidden_rows(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The model output `[1, T, H]` of a hand-off as `[T, H]` in the weight's dtype (megatron's
+    Float16Module hands the last stage's output over in fp32; the cast back is exact)."""
+    if output.dim() != 3 or output.shape[0] != 1 or output.shape[2] != weight.shape[1]:
+        raise ValueError(
+            f"{FLAG}: the model output must be the hidden states [1, T, H = {weight.shape[1]}], got shape "
+            f"{tuple(output.shape)}"
+        )
+    return output[0].to(weight.dtype)
+
+
+def handing_off_provider_func(original):
+    """Replacement of slime's `get_model_provider_func(args, role)`: actor models hand off their
+    output layer (the last pipeline stage's); other roles are built unchanged."""
+
+    def get_model_provider_func(args, role="actor"):
+        provider = original(args, role)
+        if role != "actor":
+            return provider
+
+        @functools.wraps(provider)
+        def handing_off_provider(pre_process=True, post_process=True, **kwargs):
+            model = provider(pre_process=pre_process, post_process=post_process, **kwargs)
+            if post_process:
+                layer = getattr(model, "output_layer", None)
+                if layer is None:
+                    raise ValueError(f"{FLAG}: the last pipeline stage's model has no output_layer to hand off")
+                hand_off(layer)
+            return model
+
+        return handing_off_provider
+
+    return get_model_provider_func
