@@ -88,9 +88,9 @@ def fake_slime(monkeypatch):
 
 def test_install_wraps_the_model_provider_only_with_the_flag(fake_slime):
     # (install rebinds this module's own name too, so the functions are told apart by module)
-    patching.install(Namespace(fusedrl_fused_lm_head=False))
+    patching.install(Namespace(loss_type="policy_loss", fusedrl_fused_lm_head=False))
     assert fake_slime.get_model_provider_func.__module__ == __name__
-    patching.install(Namespace(fusedrl_fused_lm_head=True))
+    patching.install(Namespace(loss_type="policy_loss", fusedrl_fused_lm_head=True))
     wrapped = fake_slime.get_model_provider_func
     assert wrapped.__module__ == "fusedrl.slime_ext.lm_head"
     assert wrapped(None, "critic") == ("provider", "critic")  # other roles: slime's provider itself
@@ -105,7 +105,7 @@ def test_install_refuses_a_provider_signature_it_does_not_know(fake_slime, monke
     for name in ("model_provider", "model"):
         monkeypatch.setattr(sys.modules[f"slime.backends.megatron_utils.{name}"], "get_model_provider_func", get_model_provider_func)
     with pytest.raises(ValueError, match="vp_stage"):
-        patching.install(Namespace(fusedrl_fused_lm_head=True))
+        patching.install(Namespace(loss_type="policy_loss", fusedrl_fused_lm_head=True))
 
 
 def _layer(**kwargs):

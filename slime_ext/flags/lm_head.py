@@ -9,12 +9,12 @@ gradient (it expects the output layer's own backward). A critic keeps the unfuse
 models built for the actor role hand off.
 """
 
-from .policy import LOSS_PATH as POLICY_LOSS_PATH
+from .policy import LOSS_PATHS as POLICY_LOSS_PATHS
 from .sfc import LOSS_PATHS as SFC_LOSS_PATHS
 
 FLAG = "--fusedrl-fused-lm-head"
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")  # losses that read log-probs, never logits
-CUSTOM_LOSS_PATHS = (POLICY_LOSS_PATH, *SFC_LOSS_PATHS)
+CUSTOM_LOSS_PATHS = (*POLICY_LOSS_PATHS, *SFC_LOSS_PATHS)
 
 
 def enabled(args) -> bool:
