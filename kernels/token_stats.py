@@ -2,14 +2,14 @@
 
 Why two kernels and one collective. The forward streams each row once with an online softmax and
 emits `3 + J` per-row partials (in log2 units: running max `m`, rescaled exp-sum `s`, rescaled
-exp-weighted centred-logit sum `u`; then the J gathered tempered logits). Under tensor
+exp-weighted centered-logit sum `u`; then the J gathered tempered logits). Under tensor
 parallelism those partials are all-gathered once (`[tp, N, 3 + J]` floats, nothing of size V) and
 combined locally, so tp = 1 is the same code without the collective. Every loss in scope depends
 on a row only through `logp[:, j]` and `entropy`, so the backward is one more streaming pass that
 writes `dz' = sum_j c_j e_{id_j} + p * (-G - g_H (z' - E_p[z']))` (see docs/math.md) from the
 saved lse and `E_p[z']`: no collective, each gradient element rounded once from fp32 (a bf16
 read-modify-write of an id column would lose its one-hot term), and the softmax term skipped for
-rows whose coefficients vanish (a purely centred score on a fresh token).
+rows whose coefficients vanish (a purely centered score on a fresh token).
 
 Why the loops look as they do: the static cost model (`python -m bench --static`) showed the
 first version bound by instruction issue, not memory, in bf16; the README has its figures before
@@ -92,7 +92,7 @@ def _token_stats_fwd_kernel(
     THREADS: tl.constexpr,
     VEC: tl.constexpr,
 ):
-    """One program per selected row: per-thread online max / exp-sum / centred sum in log2 units,
+    """One program per selected row: per-thread online max / exp-sum / centered sum in log2 units,
     one cross-thread combine after the loop, then the J gathers.
 
     Partials (log2 units, y = logit * log2(e) / temperature): running max m, s = sum 2^(y - m),
@@ -110,7 +110,7 @@ def _token_stats_fwd_kernel(
 
     running_max = tl.full([THREADS], float("-inf"), tl.float32)
     exp_sum = tl.zeros([THREADS], tl.float32)
-    centred_sum = tl.zeros([THREADS], tl.float32)
+    centered_sum = tl.zeros([THREADS], tl.float32)
     for start in range(0, vocab_local, BLOCK):
         cols = start + offs
         x = tl.load(row_ptr + cols, mask=cols < vocab_local, other=float("-inf"), eviction_policy="evict_first")
@@ -126,8 +126,8 @@ def _token_stats_fwd_kernel(
             # Moving the reference point from the old max to the new one shifts every term by
             # (old - new); an empty sum moves by 0 and -inf columns add 0, not 0 * -inf = NaN.
             moved = tl.where(exp_sum == 0.0, 0.0, exp_sum * (running_max - reference))
-            block_centred = _thread_sum(e * tl.maximum(shifted, FLOOR))
-            centred_sum = rescale * (centred_sum + moved) + block_centred
+            block_centered = _thread_sum(e * tl.maximum(shifted, FLOOR))
+            centered_sum = rescale * (centered_sum + moved) + block_centered
         exp_sum = exp_sum * rescale + _thread_sum(e)
         running_max = new_max
 
@@ -139,7 +139,7 @@ def _token_stats_fwd_kernel(
     tl.store(out + 1, tl.sum(weight * exp_sum, axis=0))
     if WITH_ENTROPY:
         moved = tl.where(exp_sum == 0.0, 0.0, exp_sum * (running_max - reference))
-        tl.store(out + 2, tl.sum(weight * (centred_sum + moved), axis=0))
+        tl.store(out + 2, tl.sum(weight * (centered_sum + moved), axis=0))
     else:
         tl.store(out + 2, 0.0)
     for j in range(J):
@@ -296,19 +296,19 @@ def combine_partials(partials_all: torch.Tensor):
     Natural-log units: `logp = scores - lse[:, None]`; mean_z is E_p[z / temperature]. A row
     whose max is +inf or NaN has no distribution: NaN.
     """
-    rank_max, rank_sum, rank_centred = partials_all[..., 0], partials_all[..., 1], partials_all[..., 2]
+    rank_max, rank_sum, rank_centered = partials_all[..., 0], partials_all[..., 1], partials_all[..., 2]
     row_max = rank_max.max(dim=0).values
     row_max = torch.where(row_max == float("inf"), float("nan"), row_max)
     weight = torch.exp2(rank_max - row_max)
     # A rank whose shard is all -inf has rank_sum = 0 and rank_max = -inf: its shift is 0, not NaN.
     shift = torch.where(rank_sum == 0, 0.0, rank_sum * (rank_max - row_max))
     exp_sum = (weight * rank_sum).sum(dim=0)
-    centred_sum = (weight * (rank_centred + shift)).sum(dim=0)
+    centered_sum = (weight * (rank_centered + shift)).sum(dim=0)
     log_exp_sum = torch.log2(exp_sum)
-    centred_mean = centred_sum / exp_sum
+    centered_mean = centered_sum / exp_sum
     lse = (row_max + log_exp_sum) * LN2
-    mean_z = (row_max + centred_mean) * LN2
-    entropy = (log_exp_sum - centred_mean) * LN2
+    mean_z = (row_max + centered_mean) * LN2
+    entropy = (log_exp_sum - centered_mean) * LN2
     scores = partials_all[..., 3:].sum(dim=0)
     return lse, mean_z, entropy, scores
 

@@ -138,15 +138,15 @@ def test_inplace_backward_writes_the_same_gradient_into_logits(dtype):
     assert torch.equal(grad[0].cpu(), expected)
 
 
-def test_centred_score_gradient_has_no_softmax_leakage():
+def test_centered_score_gradient_has_no_softmax_leakage():
     """d(scores_0 - mean_k scores_k) is exactly (e_a - mean_k e_vk) / tau: no lse, no softmax."""
     gen = torch.Generator().manual_seed(11)
     vocab, num_draws, tau = 300, 4, 0.7
     logits = random_logits(10, vocab, torch.float32, gen).requires_grad_(True)
     ids = make_ids(10, vocab, 1 + num_draws, gen)
     stats = token_stats(logits, ids, temperature=tau)
-    centred = stats.scores[:, 0] - stats.scores[:, 1:].mean(dim=1)
-    (grad,) = torch.autograd.grad(centred.sum(), logits)
+    centered = stats.scores[:, 0] - stats.scores[:, 1:].mean(dim=1)
+    (grad,) = torch.autograd.grad(centered.sum(), logits)
     expected = torch.zeros(10, vocab)
     expected.scatter_add_(1, ids[:, :1], torch.ones(10, 1))
     expected.scatter_add_(1, ids[:, 1:], torch.full((10, num_draws), -1.0 / num_draws))
