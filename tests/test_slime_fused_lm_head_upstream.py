@@ -71,7 +71,8 @@ def _observe(rank, world_size):
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # no CUDA RNG to fork; dropout is 0
     original = slime_loss.get_log_probs_and_entropy
     args = Namespace(
-        fusedrl_fused_lm_head=True, custom_model_provider_path=f"{__name__}.tiny_gpt", rollout_temperature=0.8,
+        loss_type="policy_loss", fusedrl_fused_lm_head=True, custom_model_provider_path=f"{__name__}.tiny_gpt",
+        rollout_temperature=0.8,
         allgather_cp=False, entropy_coef=0.01, log_probs_chunk_size=-1, qkv_format="thd",
     )  # fmt: skip
     tokens = torch.randint(0, VOCAB, (1, sum(TOTALS)), generator=torch.Generator().manual_seed(1))
