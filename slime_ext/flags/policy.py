@@ -5,6 +5,8 @@ OPSM, TIS / mismatch metrics, a custom pg_loss reducer), never ignored. Every fl
 slime's (slime/utils/arguments.py) or registered below.
 """
 
+from . import custom_loss_is
+
 LOSS_PATHS = ("fusedrl.slime_ext.losses.policy_loss", "fusedrl.slime_ext.losses.policy.policy_loss")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 PG_LOSS_TYPES = ("ppo", "reinforce")
@@ -13,7 +15,7 @@ UNSUPPORTED_FLAGS = ("use_opsm", "use_tis", "get_mismatch_metrics")
 
 def uses_policy_loss(args) -> bool:
     """Whether slime's configured loss is the package's policy loss (either of its paths)."""
-    return getattr(args, "loss_type", None) == "custom_loss" and getattr(args, "custom_loss_function_path", None) in LOSS_PATHS
+    return custom_loss_is(args, LOSS_PATHS)
 
 
 def add_arguments(parser):

@@ -8,6 +8,7 @@ When the SFC loss is configured, the checks install SFC's rollout side as slime'
 import math
 from typing import Optional
 
+from . import custom_loss_is
 from .aggregation import Implied, PerTokenSwitch
 
 LOSS_PATHS = ("fusedrl.slime_ext.losses.sfc_loss", "fusedrl.slime_ext.losses.sfc.sfc_loss")
@@ -19,7 +20,7 @@ FLAGS = ("sfc_num_auxiliary_token_samples", "sfc_kl_beta", "sfc_loss_agg_mode", 
 
 def uses_sfc(args) -> bool:
     """Whether slime's configured loss is the SFC loss."""
-    return getattr(args, "loss_type", None) == "custom_loss" and getattr(args, "custom_loss_function_path", None) in LOSS_PATHS
+    return custom_loss_is(args, LOSS_PATHS)
 
 
 def add_arguments(parser):
