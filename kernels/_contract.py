@@ -53,9 +53,13 @@ def as_2d_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def check_temperature(temperature) -> float:
-    """A sampling temperature must be a finite positive number."""
+    """A sampling temperature must be a finite positive number.
+
+    Plain comparisons (NaN fails both), no `math.isfinite`: under torch.compile a temperature that
+    changes between calls is a symbolic float, which comparisons guard on and math cannot read.
+    """
     value = float(temperature)
-    if not math.isfinite(value) or value <= 0.0:
+    if not 0.0 < value < math.inf:
         raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
     return value
 

@@ -79,8 +79,12 @@ def uses_triton(tensor: torch.Tensor, op: str) -> bool:
 
 
 def _announce(op: str, path: str, warn: bool = False) -> None:
-    """Log the first call of `op` on `path`; the silent CPU fallback also warns, once."""
-    if (op, path) in _LOGGED_PATHS:
+    """Log the first call of `op` on `path`; the silent CPU fallback also warns, once.
+
+    Not while torch.compile traces (a logging call would break the graph): the path a compiled
+    graph takes is the one the same call takes eagerly.
+    """
+    if (op, path) in _LOGGED_PATHS or torch.compiler.is_compiling():
         return
     _LOGGED_PATHS.add((op, path))
     log.info("fusedrl.kernels.%s runs the %s", op, path)

@@ -2,12 +2,16 @@
 
 An explicit group wins; otherwise megatron-core's tensor-model-parallel group when it is
 initialised (slime's case); otherwise no split (tp = 1). megatron-core is optional.
+
+A process group cannot be an argument of a torch custom op, so the ops carry it by its registered
+name (`ProcessGroup.group_name`), as torch's own functional collectives do, and look it up inside.
 """
 
 import sys
 from typing import NamedTuple, Optional
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 
 class TensorParallel(NamedTuple):
@@ -26,6 +30,19 @@ def resolve_tp(tp_group=None) -> TensorParallel:
     if size == 1:
         return TensorParallel(None, 1, 0)
     return TensorParallel(tp_group, size, dist.get_rank(tp_group))
+
+
+def group_name(tp: TensorParallel) -> Optional[str]:
+    """The name a custom op receives the group by; None when the vocabulary is not split."""
+    return None if tp.group is None else tp.group.group_name
+
+
+def tp_from_group_name(name: Optional[str]) -> TensorParallel:
+    """Inside a custom op: the group registered under `name` (None: no split), its size and rank."""
+    if name is None:
+        return TensorParallel(None, 1, 0)
+    group = _resolve_process_group(name)
+    return TensorParallel(group, dist.get_world_size(group), dist.get_rank(group))
 
 
 def _megatron_tp_group():

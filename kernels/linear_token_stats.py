@@ -21,12 +21,13 @@ reduce-scatter backward). The weight gradient needs no reduction: it is this ran
 
 import functools
 import math
+from typing import Optional, Tuple
 
 import torch
 
 from ._contract import KERNEL_DTYPES, TokenStats, check_token_stats_inputs
 from ._dispatch import uses_triton
-from ._tp import resolve_tp
+from ._tp import group_name, resolve_tp, tp_from_group_name
 from .token_stats import all_rank_partials, combine_partials, logits_grad, row_partials, token_stats
 
 CHUNK_SHARE_OF_ROWS = 32
@@ -53,8 +54,12 @@ def default_chunk_rows(num_rows: int, vocab_local: int, itemsize: int, free_byte
     return max(1, rows)
 
 
+@torch.compiler.assume_constant_result
 def _free_bytes(device: torch.device):
-    """Free device memory, the caching allocator's idle reserve included; None on CPU."""
+    """Free device memory, the caching allocator's idle reserve included; None on CPU.
+
+    Under torch.compile it is read once, when the graph is traced, and the default chunk it sets is
+    part of the compiled graph: the same chunks, hence the same sums, on every call."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
@@ -139,45 +144,107 @@ class _ChunkedLogits:
             yield slots, rows_in, torch.mm(rows_in, self.weight.t(), out=self.logits[:size])
 
 
-class _LinearTokenStatsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, ids, rows, temperature, with_entropy, tp, vocab_start, chunk_rows):
-        chunks = _ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
-        partials = torch.cat([
-            row_partials(logits, ids[slots], None, vocab_start, temperature, with_entropy)
-            for slots, _, logits in chunks
-        ])  # fmt: skip
-        lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, tp))
-        ctx.save_for_backward(hidden, weight, ids, rows, lse, mean_z)
-        ctx.temperature, ctx.with_entropy = temperature, with_entropy
-        ctx.vocab_start, ctx.chunk_rows = vocab_start, chunk_rows
-        return scores - lse.unsqueeze(1), entropy if with_entropy else None, scores
+@torch.library.custom_op("fusedrl::linear_token_stats", mutates_args=())
+def linear_token_stats_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    temperature: float,
+    with_entropy: bool,
+    vocab_start: int,
+    tp_group_name: Optional[str],
+    chunk_rows: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked forward as a torch op, opaque to torch.compile: (logp, entropy, scores, lse,
+    mean_z), as `fusedrl::token_stats` (the group travels by name, the collective runs inside)."""
+    chunks = _ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
+    partials = torch.cat([
+        row_partials(logits, ids[slots], None, vocab_start, temperature, with_entropy)
+        for slots, _, logits in chunks
+    ])  # fmt: skip
+    lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, tp_from_group_name(tp_group_name)))
+    return scores - lse.unsqueeze(1), entropy, scores, lse, mean_z
 
-    @staticmethod
-    def backward(ctx, logp_grad, entropy_grad, scores_grad):
-        hidden, weight, ids, rows, lse, mean_z = ctx.saved_tensors
-        wants_hidden, wants_weight = ctx.needs_input_grad[:2]
-        entropy_grad = entropy_grad if ctx.with_entropy else None
-        grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if wants_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
-        chunks = _ChunkedLogits(hidden, weight, rows, ids.shape[0], ctx.chunk_rows)
-        row_grads = None if rows is None or not wants_hidden else torch.empty_like(chunks.gathered)
-        for slots, rows_in, logits in chunks:
-            grad_logits = logits_grad(
-                logits, logits, ids[slots], None, lse[slots], mean_z[slots], logp_grad[slots],
-                None if entropy_grad is None else entropy_grad[slots], scores_grad[slots],
-                ctx.vocab_start, ctx.temperature,
-            )  # fmt: skip
-            if wants_hidden and rows is None:
-                torch.mm(grad_logits, weight, out=grad_hidden[slots])
-            elif wants_hidden:
-                size = slots.stop - slots.start
-                grad_hidden.index_copy_(0, rows[slots], torch.mm(grad_logits, weight, out=row_grads[:size]))
-            if wants_weight:
-                _add_product_fp32(grad_weight, grad_logits.t(), rows_in)
+
+@linear_token_stats_op.register_fake
+def _linear_token_stats_fake(hidden, weight, ids, rows, temperature, with_entropy, vocab_start, tp_group_name, chunk_rows):
+    per_id = ids.new_empty(ids.shape, dtype=torch.float32)
+    per_row = ids.new_empty(ids.shape[:1], dtype=torch.float32)
+    return per_id, per_row, torch.empty_like(per_id), torch.empty_like(per_row), torch.empty_like(per_row)
+
+
+@torch.library.custom_op("fusedrl::linear_token_stats_backward", mutates_args=())
+def linear_token_stats_backward_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    lse: torch.Tensor,
+    mean_z: torch.Tensor,
+    logp_grad: torch.Tensor,
+    entropy_grad: Optional[torch.Tensor],
+    scores_grad: torch.Tensor,
+    temperature: float,
+    vocab_start: int,
+    chunk_rows: int,
+    wants_hidden: bool,
+    wants_weight: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(d hidden, d weight) with the logits recomputed chunk by chunk; a gradient not wanted is an
+    empty tensor (an op returns no None). entropy_grad None: no entropy term."""
+    grad_hidden = torch.zeros(hidden.shape if wants_hidden else (0,), dtype=hidden.dtype, device=hidden.device)
+    grad_weight = torch.zeros(weight.shape if wants_weight else (0,), dtype=torch.float32, device=weight.device)
+    chunks = _ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
+    row_grads = None if rows is None or not wants_hidden else torch.empty_like(chunks.gathered)
+    for slots, rows_in, logits in chunks:
+        grad_logits = logits_grad(
+            logits, logits, ids[slots], None, lse[slots], mean_z[slots], logp_grad[slots],
+            None if entropy_grad is None else entropy_grad[slots], scores_grad[slots],
+            vocab_start, temperature,
+        )  # fmt: skip
+        if wants_hidden and rows is None:
+            torch.mm(grad_logits, weight, out=grad_hidden[slots])
+        elif wants_hidden:
+            size = slots.stop - slots.start
+            grad_hidden.index_copy_(0, rows[slots], torch.mm(grad_logits, weight, out=row_grads[:size]))
         if wants_weight:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+            _add_product_fp32(grad_weight, grad_logits.t(), rows_in)
+    return grad_hidden, grad_weight.to(weight.dtype)
+
+
+@linear_token_stats_backward_op.register_fake
+def _linear_token_stats_backward_fake(hidden, weight, ids, rows, lse, mean_z, logp_grad, entropy_grad, scores_grad,
+                                      temperature, vocab_start, chunk_rows, wants_hidden, wants_weight):  # fmt: skip
+    return (
+        hidden.new_empty(hidden.shape if wants_hidden else (0,)),
+        weight.new_empty(weight.shape if wants_weight else (0,)),
+    )
+
+
+def _linear_token_stats_setup_context(ctx, inputs, output):
+    hidden, weight, ids, rows, temperature, with_entropy, vocab_start, _, chunk_rows = inputs
+    _, _, _, lse, mean_z = output
+    ctx.save_for_backward(hidden, weight, ids, rows, lse, mean_z)
+    ctx.temperature, ctx.with_entropy, ctx.vocab_start, ctx.chunk_rows = temperature, with_entropy, vocab_start, chunk_rows
+
+
+def _linear_token_stats_backward(ctx, logp_grad, entropy_grad, scores_grad, lse_grad, mean_z_grad):
+    del lse_grad, mean_z_grad  # internal outputs, saved for this backward
+    hidden, weight, ids, rows, lse, mean_z = ctx.saved_tensors
+    wants_hidden, wants_weight = ctx.needs_input_grad[:2]
+    grad_hidden, grad_weight = linear_token_stats_backward_op(
+        hidden, weight, ids, rows, lse, mean_z, logp_grad, entropy_grad if ctx.with_entropy else None,
+        scores_grad, ctx.temperature, ctx.vocab_start, ctx.chunk_rows, wants_hidden, wants_weight,
+    )  # fmt: skip
+    return (
+        grad_hidden if wants_hidden else None,
+        grad_weight if wants_weight else None,
+        None, None, None, None, None, None, None,
+    )  # fmt: skip
+
+
+linear_token_stats_op.register_autograd(_linear_token_stats_backward, setup_context=_linear_token_stats_setup_context)
 
 
 def linear_token_stats(
@@ -227,15 +294,16 @@ def linear_token_stats(
     if chunk_rows is None:
         free = _free_bytes(hidden.device)
         chunk_rows = default_chunk_rows(num_selected, weight.shape[0], hidden.element_size(), free)
-    logp, entropy, scores = _LinearTokenStatsFunction.apply(
+    logp, entropy, scores, _, _ = linear_token_stats_op(
         hidden,
         weight,
         inputs.ids.contiguous(),
         None if inputs.rows is None else inputs.rows.contiguous(),
         inputs.temperature,
         bool(with_entropy),
-        tp,
         inputs.vocab_start,
+        group_name(tp),
         chunk_rows,
     )
+    entropy = entropy if with_entropy else None
     return TokenStats(logp, entropy, scores)

@@ -182,18 +182,49 @@ def values_grad(grad_out, mask, segment_ids, denominators, values_dtype) -> torc
     return grad_values
 
 
-class _SegmentSumFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, values, mask, segment_ids, denominators):
-        ctx.save_for_backward(mask, segment_ids, denominators)
-        ctx.values_dtype = values.dtype
-        return segment_sum_forward(values, mask, segment_ids, denominators)
+@torch.library.custom_op("fusedrl::segment_sum", mutates_args=())
+def segment_sum_op(
+    values: torch.Tensor, mask: torch.Tensor, segment_ids: torch.Tensor, denominators: torch.Tensor
+) -> torch.Tensor:
+    """`segment_sum_forward` as a torch op, opaque to torch.compile: [C] in the denominators' dtype."""
+    return segment_sum_forward(values, mask, segment_ids, denominators)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        mask, segment_ids, denominators = ctx.saved_tensors
-        # mask, segment ids and denominators are constants of the step: no gradient
-        return values_grad(grad_out, mask, segment_ids, denominators, ctx.values_dtype), None, None, None
+
+@segment_sum_op.register_fake
+def _segment_sum_fake(values, mask, segment_ids, denominators):
+    return denominators.new_empty(values.shape[1:])
+
+
+@torch.library.custom_op("fusedrl::segment_sum_backward", mutates_args=())
+def segment_sum_backward_op(
+    grad_out: torch.Tensor,
+    mask: torch.Tensor,
+    segment_ids: torch.Tensor,
+    denominators: torch.Tensor,
+    values_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`values_grad` as a torch op: dx [N, C] in `values_dtype`."""
+    return values_grad(grad_out, mask, segment_ids, denominators, values_dtype)
+
+
+@segment_sum_backward_op.register_fake
+def _segment_sum_backward_fake(grad_out, mask, segment_ids, denominators, values_dtype):
+    return mask.new_empty((mask.shape[0], grad_out.shape[0]), dtype=values_dtype)
+
+
+def _segment_sum_setup_context(ctx, inputs, output):
+    values, mask, segment_ids, denominators = inputs
+    ctx.save_for_backward(mask, segment_ids, denominators)
+    ctx.values_dtype = values.dtype
+
+
+def _segment_sum_backward(ctx, grad_out):
+    mask, segment_ids, denominators = ctx.saved_tensors
+    # mask, segment ids and denominators are constants of the step: no gradient
+    return segment_sum_backward_op(grad_out, mask, segment_ids, denominators, ctx.values_dtype), None, None, None
+
+
+segment_sum_op.register_autograd(_segment_sum_backward, setup_context=_segment_sum_setup_context)
 
 
 def segment_sum(values, mask, segment_ids, denominators, *, validate=True) -> torch.Tensor:
@@ -215,7 +246,7 @@ def segment_sum(values, mask, segment_ids, denominators, *, validate=True) -> to
         return segment_sum_reference(values, mask, segment_ids, denominators)
     accumulate = torch.promote_types(values.dtype, torch.float32)
     matrix = values if values.dim() == 2 else values.unsqueeze(1)
-    out = _SegmentSumFunction.apply(
+    out = segment_sum_op(
         matrix,
         mask.to(accumulate).contiguous(),
         segment_ids.to(torch.int64).contiguous(),

@@ -16,14 +16,14 @@ first version bound by instruction issue, not memory, in bf16; the README has it
 and after.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ._contract import KERNEL_DTYPES, TokenStats, as_2d_logits, check_token_stats_inputs
 from ._dispatch import tl, triton, uses_triton
-from ._tp import resolve_tp
+from ._tp import group_name, resolve_tp, tp_from_group_name
 from .reference import token_stats_reference
 
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in log2 units (ex2 is the hardware exp)
@@ -363,48 +363,87 @@ def _zeros_if_none(grad, like):
     return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if grad is None else grad
 
 
-class _Settings(NamedTuple):
-    """The non-tensor arguments of one call, passed to the autograd Function as one value."""
+@torch.library.custom_op("fusedrl::token_stats", mutates_args=())
+def token_stats_op(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    temperature: float,
+    with_entropy: bool,
+    vocab_start: int,
+    tp_group_name: Optional[str],
+    inplace_backward: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward as a torch op, opaque to torch.compile: (logp, entropy, scores, lse, mean_z).
 
-    temperature: float
-    with_entropy: bool
-    tp: object
-    vocab_start: int
-    inplace: bool
+    Inputs are checked and converted (int64 contiguous ids and rows). The tensor-parallel
+    collective runs inside, on the group registered under `tp_group_name` (`ProcessGroup.group_name`,
+    the way torch's functional collectives pass a group through an op schema; None: no split), so
+    one op holds the whole forward and its backward needs no collective. entropy is meaningful only
+    with `with_entropy`; lse and mean_z are saved for the backward. `inplace_backward` is read by the
+    backward only.
+    """
+    partials = row_partials(as_2d_logits(logits), ids, rows, vocab_start, temperature, with_entropy)
+    lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, tp_from_group_name(tp_group_name)))
+    return scores - lse.unsqueeze(1), entropy, scores, lse, mean_z
 
 
-class _TokenStatsFunction(torch.autograd.Function):
-    """Autograd over `logits` as the caller passed it ([T, V] or [1, T, V]): the 2-D view is taken
-    inside, so an in-place backward hands back the caller's own buffer with no view-backward copy."""
+@token_stats_op.register_fake
+def _token_stats_fake(logits, ids, rows, temperature, with_entropy, vocab_start, tp_group_name, inplace_backward):
+    per_id = ids.new_empty(ids.shape, dtype=torch.float32)
+    per_row = ids.new_empty(ids.shape[:1], dtype=torch.float32)
+    return per_id, per_row, torch.empty_like(per_id), torch.empty_like(per_row), torch.empty_like(per_row)
 
-    @staticmethod
-    def forward(ctx, logits, ids, rows, settings: _Settings):
-        logits_2d = as_2d_logits(logits)
-        partials = row_partials(logits_2d, ids, rows, settings.vocab_start, settings.temperature, settings.with_entropy)
-        lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, settings.tp))
-        ctx.save_for_backward(logits, ids, rows, lse, mean_z)
-        ctx.settings = settings
-        return scores - lse.unsqueeze(1), entropy if settings.with_entropy else None, scores
 
-    @staticmethod
-    def backward(ctx, logp_grad, entropy_grad, scores_grad):
-        logits, ids, rows, lse, mean_z = ctx.saved_tensors
-        settings = ctx.settings
-        grad = logits if settings.inplace else torch.empty_like(logits)
-        logits_grad(
-            as_2d_logits(grad),
-            as_2d_logits(logits),
-            ids,
-            rows,
-            lse,
-            mean_z,
-            logp_grad,
-            entropy_grad if settings.with_entropy else None,
-            scores_grad,
-            settings.vocab_start,
-            settings.temperature,
-        )
-        return grad, None, None, None  # ids, rows and settings take no gradient
+@torch.library.custom_op("fusedrl::token_stats_backward", mutates_args=("grad_out",))
+def token_stats_backward_op(
+    grad_out: torch.Tensor,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    lse: torch.Tensor,
+    mean_z: torch.Tensor,
+    logp_grad: Optional[torch.Tensor],
+    entropy_grad: Optional[torch.Tensor],
+    scores_grad: Optional[torch.Tensor],
+    vocab_start: int,
+    temperature: float,
+) -> None:
+    """`logits_grad` as a torch op: writes every element of grad_out (shaped as logits; it may be
+    the logits themselves, for the in-place backward). entropy_grad None: no entropy term."""
+    logits_grad(
+        as_2d_logits(grad_out), as_2d_logits(logits), ids, rows, lse, mean_z,
+        logp_grad, entropy_grad, scores_grad, vocab_start, temperature,
+    )  # fmt: skip
+
+
+@token_stats_backward_op.register_fake
+def _token_stats_backward_fake(grad_out, *args):
+    return None
+
+
+def _token_stats_setup_context(ctx, inputs, output):
+    logits, ids, rows, temperature, with_entropy, vocab_start, _, inplace_backward = inputs
+    _, _, _, lse, mean_z = output
+    ctx.save_for_backward(logits, ids, rows, lse, mean_z)
+    ctx.temperature, ctx.with_entropy, ctx.vocab_start, ctx.inplace = temperature, with_entropy, vocab_start, inplace_backward
+
+
+def _token_stats_backward(ctx, logp_grad, entropy_grad, scores_grad, lse_grad, mean_z_grad):
+    """Gradient for the logits as the caller passed them ([T, V] or [1, T, V]), so an in-place
+    backward hands back the caller's own buffer with no view-backward copy; lse and mean_z are
+    internal outputs whose gradients are ignored."""
+    del lse_grad, mean_z_grad
+    logits, ids, rows, lse, mean_z = ctx.saved_tensors
+    grad = logits if ctx.inplace else torch.empty_like(logits)
+    token_stats_backward_op(
+        grad, logits, ids, rows, lse, mean_z, logp_grad, entropy_grad if ctx.with_entropy else None,
+        scores_grad, ctx.vocab_start, ctx.temperature,
+    )  # fmt: skip
+    return grad, None, None, None, None, None, None, None
+
+
+token_stats_op.register_autograd(_token_stats_backward, setup_context=_token_stats_setup_context)
 
 
 def token_stats(
@@ -454,10 +493,17 @@ def token_stats(
             rows=rows,
             validate=False,
         )
-    settings = _Settings(inputs.temperature, bool(with_entropy), tp, inputs.vocab_start, bool(inplace_backward))
-    logp, entropy, scores = _TokenStatsFunction.apply(
-        logits, inputs.ids.contiguous(), None if inputs.rows is None else inputs.rows.contiguous(), settings
+    logp, entropy, scores, _, _ = token_stats_op(
+        logits,
+        inputs.ids.contiguous(),
+        None if inputs.rows is None else inputs.rows.contiguous(),
+        inputs.temperature,
+        bool(with_entropy),
+        inputs.vocab_start,
+        group_name(tp),
+        bool(inplace_backward),
     )
+    entropy = entropy if with_entropy else None
     return TokenStats(logp, entropy, scores)
 
 

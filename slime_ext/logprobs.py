@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..kernels import token_stats
 from . import megatron
 from .context_parallel import SampleRows
-from .responses import ResponseTokens
+from .responses import ResponseTokens, check_values
 
 
 class ReplaySupport(NamedTuple):
@@ -243,6 +243,8 @@ def calculate_log_probs_and_entropy(
         empty = logits.new_zeros((0,))
         return empty.unsqueeze(1), (empty if with_entropy else None)
     ids = tokens.unsqueeze(1) if support is None else support.ids
-    stats = token_stats(logits, ids, temperature=1.0, with_entropy=with_entropy, tp_group=tp_group)
+    stats = token_stats(
+        logits, ids, temperature=1.0, with_entropy=with_entropy, tp_group=tp_group, validate=check_values()
+    )
     logp, entropy = logprobs_and_entropy(stats, with_entropy_grad=with_entropy_grad, support=support)
     return logp.unsqueeze(1), entropy

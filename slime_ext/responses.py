@@ -11,6 +11,7 @@ states `[1, T, H]` instead (`lm_head`), and the kernel is `linear_token_stats` w
 weight: same rows, same results.
 """
 
+import os
 from typing import List, NamedTuple, Sequence
 
 import torch
@@ -18,6 +19,21 @@ import torch
 from ..kernels import linear_token_stats, token_stats
 from . import lm_head, megatron
 from .context_parallel import SampleRows, allgather_to_zigzag, local_response_rows
+
+_values_checked = False
+
+
+def check_values() -> bool:
+    """Whether this kernel call checks its ids and rows values (a host sync and a sort each).
+
+    Once per process, on the first call, where a vocabulary that does not match the rollouts'
+    shows at once; on every call only under the debug switch `FUSEDRL_VALIDATE=1`. Later
+    micro-batches skip them, so no host sync stands in the way of CUDA-graph capture; the rows
+    are built here, correct by construction, and the ids come from the same rollouts.
+    """
+    global _values_checked
+    first, _values_checked = not _values_checked, True
+    return first or os.environ.get("FUSEDRL_VALIDATE") == "1"
 
 
 class ResponseTokens(NamedTuple):
@@ -73,11 +89,14 @@ class ResponseTokens(NamedTuple):
         """Token statistics of the response rows on Megatron's tensor-parallel group, from the
         model output: `token_stats` of the logits, or `linear_token_stats` of the hidden states and
         output weight when the output layer handed off (--fusedrl-fused-lm-head)."""
+        validate = check_values()
         weight = lm_head.output_weight()
         if weight is None:
-            return token_stats(output, ids, rows=self.rows, tp_group=megatron.tp_group(), **kwargs)
+            return token_stats(output, ids, rows=self.rows, tp_group=megatron.tp_group(), validate=validate, **kwargs)
         hidden = lm_head.hidden_rows(output, weight)
-        return linear_token_stats(hidden, weight, ids, rows=self.rows, tp_group=megatron.tp_group(), **kwargs)
+        return linear_token_stats(
+            hidden, weight, ids, rows=self.rows, tp_group=megatron.tp_group(), validate=validate, **kwargs
+        )
 
     def per_sample(self, values: torch.Tensor) -> List[torch.Tensor]:
         """Per-row values `[N, ...]` split per sample, in the layout of slime's batch (zigzag)."""
