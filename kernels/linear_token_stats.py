@@ -17,6 +17,10 @@ its own columns. Reducing it across the group is the caller's job, done the way 
 pass `copy_to_tensor_model_parallel_region(hidden)` (identity forward, all-reduce backward), or
 under sequence parallelism `gather_from_sequence_parallel_region(hidden)` (all-gather forward,
 reduce-scatter backward). The weight gradient needs no reduction: it is this rank's own slice.
+
+Layers, as in `token_stats`: the chunk loops over the token-statistics launches, the torch.library
+ops `fusedrl::linear_token_stats` and `fusedrl::linear_token_stats_backward` (fake implementations,
+registered autograd; the group travels by name), and `linear_token_stats`, the checks and the path.
 """
 
 import functools
@@ -27,8 +31,10 @@ import torch
 
 from ._contract import KERNEL_DTYPES, TokenStats, check_token_stats_inputs
 from ._dispatch import uses_triton
-from ._tp import group_name, resolve_tp, tp_from_group_name
-from .token_stats import all_rank_partials, combine_partials, logits_grad, row_partials, token_stats
+from ._tp import resolve_tp
+from .token_stats import (
+    logits_grad, op_arguments, op_outputs, op_outputs_fake, public_stats, row_partials, token_stats,
+)  # fmt: skip
 
 CHUNK_SHARE_OF_ROWS = 32
 MIN_CHUNK_ROWS = 768
@@ -163,15 +169,12 @@ def linear_token_stats_op(
         row_partials(logits, ids[slots], None, vocab_start, temperature, with_entropy)
         for slots, _, logits in chunks
     ])  # fmt: skip
-    lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, tp_from_group_name(tp_group_name)))
-    return scores - lse.unsqueeze(1), entropy, scores, lse, mean_z
+    return op_outputs(partials, tp_group_name)
 
 
 @linear_token_stats_op.register_fake
 def _linear_token_stats_fake(hidden, weight, ids, rows, temperature, with_entropy, vocab_start, tp_group_name, chunk_rows):
-    per_id = ids.new_empty(ids.shape, dtype=torch.float32)
-    per_row = ids.new_empty(ids.shape[:1], dtype=torch.float32)
-    return per_id, per_row, torch.empty_like(per_id), torch.empty_like(per_row), torch.empty_like(per_row)
+    return op_outputs_fake(ids)
 
 
 @torch.library.custom_op("fusedrl::linear_token_stats_backward", mutates_args=())
@@ -294,16 +297,5 @@ def linear_token_stats(
     if chunk_rows is None:
         free = _free_bytes(hidden.device)
         chunk_rows = default_chunk_rows(num_selected, weight.shape[0], hidden.element_size(), free)
-    logp, entropy, scores, _, _ = linear_token_stats_op(
-        hidden,
-        weight,
-        inputs.ids.contiguous(),
-        None if inputs.rows is None else inputs.rows.contiguous(),
-        inputs.temperature,
-        bool(with_entropy),
-        inputs.vocab_start,
-        group_name(tp),
-        chunk_rows,
-    )
-    entropy = entropy if with_entropy else None
-    return TokenStats(logp, entropy, scores)
+    outputs = linear_token_stats_op(hidden, weight, *op_arguments(inputs, with_entropy, tp), chunk_rows)
+    return public_stats(outputs, with_entropy)

@@ -14,6 +14,11 @@ Deterministic by construction: each program sums a fixed block of rows into its 
 (no atomics), and a second kernel adds the partials in block order. The same inputs give
 bitwise identical outputs and gradients. The backward is `dx[i, c] = g[c] * m[i] / D_{s(i)}`, a
 pure elementwise write; the mask and denominators are constants of the step and get no gradient.
+
+Layers: the Triton kernels; their host launches (`segment_sum_forward`, `values_grad`); the
+torch.library ops `fusedrl::segment_sum` and `fusedrl::segment_sum_backward` over them, with fake
+implementations and registered autograd (what torch.compile sees); and `segment_sum`, which checks
+the input and picks the path.
 """
 
 import torch

@@ -11,6 +11,11 @@ saved lse and `E_p[z']`: no collective, each gradient element rounded once from 
 read-modify-write of an id column would lose its one-hot term), and the softmax term skipped for
 rows whose coefficients vanish (a purely centered score on a fresh token).
 
+Layers: the Triton kernels; their host launches (`row_partials`, `logits_grad`), which allocate
+and launch; the torch.library ops `fusedrl::token_stats` and `fusedrl::token_stats_backward` over
+them, with fake implementations and registered autograd (what torch.compile sees); and
+`token_stats`, which checks the input, picks the path and resolves the tensor-parallel group.
+
 Why the loops look as they do: the static cost model (`python -m bench --static`) showed the
 first version bound by instruction issue, not memory, in bf16; the README has its figures before
 and after.
@@ -363,6 +368,36 @@ def _zeros_if_none(grad, like):
     return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if grad is None else grad
 
 
+def op_outputs(partials, tp_group_name):
+    """(logp, entropy, scores, lse, mean_z) of this rank's partials: the collective and the combine."""
+    lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, tp_from_group_name(tp_group_name)))
+    return scores - lse.unsqueeze(1), entropy, scores, lse, mean_z
+
+
+def op_outputs_fake(ids):
+    """What `op_outputs` returns, as metadata: [N, J] and [N] float32 tensors."""
+    per_id = ids.new_empty(ids.shape, dtype=torch.float32)
+    per_row = ids.new_empty(ids.shape[:1], dtype=torch.float32)
+    return per_id, per_row, torch.empty_like(per_id), torch.empty_like(per_row), torch.empty_like(per_row)
+
+
+def op_arguments(inputs, with_entropy, tp) -> tuple:
+    """The arguments both forward ops take after their tensors: (ids, rows, temperature,
+    with_entropy, vocab_start, tp_group_name), from the checked inputs."""
+    rows = None if inputs.rows is None else inputs.rows.contiguous()
+    return inputs.ids.contiguous(), rows, inputs.temperature, bool(with_entropy), inputs.vocab_start, group_name(tp)
+
+
+def public_stats(outputs, with_entropy) -> TokenStats:
+    """The caller's TokenStats from an op's outputs (entropy None when not asked for)."""
+    logp, entropy, scores, _, _ = outputs
+    return TokenStats(logp, entropy if with_entropy else None, scores)
+
+
+# The torch.library layer: each host launch above as an op with a fake (meta) implementation, the
+# forward op's autograd registered with it, so torch.compile traces through without a graph break.
+
+
 @torch.library.custom_op("fusedrl::token_stats", mutates_args=())
 def token_stats_op(
     logits: torch.Tensor,
@@ -384,15 +419,12 @@ def token_stats_op(
     backward only.
     """
     partials = row_partials(as_2d_logits(logits), ids, rows, vocab_start, temperature, with_entropy)
-    lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, tp_from_group_name(tp_group_name)))
-    return scores - lse.unsqueeze(1), entropy, scores, lse, mean_z
+    return op_outputs(partials, tp_group_name)
 
 
 @token_stats_op.register_fake
 def _token_stats_fake(logits, ids, rows, temperature, with_entropy, vocab_start, tp_group_name, inplace_backward):
-    per_id = ids.new_empty(ids.shape, dtype=torch.float32)
-    per_row = ids.new_empty(ids.shape[:1], dtype=torch.float32)
-    return per_id, per_row, torch.empty_like(per_id), torch.empty_like(per_row), torch.empty_like(per_row)
+    return op_outputs_fake(ids)
 
 
 @torch.library.custom_op("fusedrl::token_stats_backward", mutates_args=("grad_out",))
@@ -493,19 +525,8 @@ def token_stats(
             rows=rows,
             validate=False,
         )
-    logp, entropy, scores, _, _ = token_stats_op(
-        logits,
-        inputs.ids.contiguous(),
-        None if inputs.rows is None else inputs.rows.contiguous(),
-        inputs.temperature,
-        bool(with_entropy),
-        inputs.vocab_start,
-        group_name(tp),
-        bool(inplace_backward),
-    )
-    entropy = entropy if with_entropy else None
-    return TokenStats(logp, entropy, scores)
-
+    outputs = token_stats_op(logits, *op_arguments(inputs, with_entropy, tp), bool(inplace_backward))
+    return public_stats(outputs, with_entropy)
 
 def token_logprobs(logits, ids, **kwargs):
     """(logp [N, J], entropy [N] or None): `token_stats` without the scores."""

@@ -11,7 +11,7 @@ Triton interpreter on CPU); the compiled part around the ops is inductor's code 
 import pytest
 import torch
 import torch.distributed as dist
-from device import DEVICE, on_cpu, to_device
+from device import on_cpu, to_device
 from distributed import run_on_ranks
 from numerics import assert_parity
 
@@ -141,6 +141,22 @@ def test_compiled_token_stats_is_bitwise_eager():
     for temperature in (0.7, 0.9):
         for out, eager in zip(compiled(logits, temperature), stats(logits, temperature)):
             assert torch.equal(out, eager)
+
+
+def test_compiled_inplace_backward_matches_eager():
+    """The backward op writes the gradient into the logits buffer it is handed (here an
+    intermediate of the compiled graph); the leaf's gradient is eager's, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    ids = to_device(torch.randint(0, 90, (6, 2), generator=gen))
+    logits = to_device(torch.randn(6, 90, generator=gen))
+
+    def loss(logits):
+        stats = TOKEN_STATS(logits * 1.0, ids, temperature=0.7, with_entropy=True, inplace_backward=True, validate=False)
+        return stats.logp.sum() + stats.entropy.sum()
+
+    _, (eager,) = run(lambda x, temperature, batch: loss(x), [logits], [], None, None)
+    _, (compiled,) = run(torch.compile(lambda x, temperature, batch: loss(x), fullgraph=True), [logits], [], None, None)
+    assert torch.equal(compiled, eager)
 
 
 def _op_inputs(gen):
