@@ -17,6 +17,15 @@ if ! python -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
     echo "  python3 -m venv .venv && source .venv/bin/activate && bash .ci/install-test-deps.sh" >&2
     exit 2
 fi
+# torch.compile on CPU (tests/test_compile.py) builds inductor's C++: it needs a compiler.
+if ! command -v g++ >/dev/null; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq g++
+    else
+        echo "install-test-deps.sh: torch.compile on CPU needs a C++ compiler: install g++ (apt-get install g++)" >&2
+        exit 2
+    fi
+fi
 python -m pip install -q torch==2.14.1 torchvision==0.29.1
 python -m pip install -q -e "$here/..[test,bench]"
 python -m pip install -q --no-deps sglang==0.5.23
