@@ -7,6 +7,7 @@ relabel memory (views, `set_`) and how many bytes a tensor argument spans.
 import math
 
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
 
 aten = torch.ops.aten
 
@@ -19,6 +20,19 @@ ALLOCATING_OPS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empt
 def relabels_memory(func) -> bool:
     """True for views and metadata-only operators: their results alias existing storage."""
     return func.is_view or func.overloadpacket in RELABELLING_OPS
+
+
+def package_op_body(func):
+    """The Python body of a `fusedrl::` torch op (the kernels' host code), else None.
+
+    To a dispatch mode a custom op is one opaque call. The meters run its body under themselves
+    instead, so they see what it does (Triton launches, aten operators, allocations), not its
+    inputs and outputs as if they were one aten operator's. torch has no public handle on the body.
+    """
+    if func.namespace != "fusedrl":
+        return None
+    definition = _maybe_get_opdef(func)
+    return None if definition is None else definition._init_fn
 
 
 def tensor_bytes(value) -> int:

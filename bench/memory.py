@@ -12,7 +12,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .aten_ops import relabels_memory, tensors_in
+from .aten_ops import package_op_body, relabels_memory, tensors_in
 
 
 class CudaMemory:
@@ -49,6 +49,10 @@ class TensorTally(TorchDispatchMode):
         self._peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        body = package_op_body(func)
+        if body is not None:
+            with self:
+                return body(*args, **(kwargs or {}))
         result = func(*args, **(kwargs or {}))
         if not relabels_memory(func):
             inputs = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs))}

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .aten_ops import ALLOCATING_OPS, relabels_memory, tensor_bytes, tensors_in
+from .aten_ops import ALLOCATING_OPS, package_op_body, relabels_memory, tensor_bytes, tensors_in
 
 aten = torch.ops.aten
 
@@ -89,6 +89,10 @@ class _AtenCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        body = package_op_body(func)
+        if body is not None:
+            with self:
+                return body(*args, **kwargs)
         result = func(*args, **kwargs)
         if self.paused() or relabels_memory(func) or func.overloadpacket in ALLOCATING_OPS:
             return result

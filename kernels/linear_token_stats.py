@@ -103,6 +103,11 @@ def _logits_stand_in(hidden, weight) -> torch.Tensor:
     return hidden.new_empty((1, weight.shape[0])).expand(hidden.shape[0], weight.shape[0])
 
 
+def _rows_of(grad: Optional[torch.Tensor], slots: slice) -> Optional[torch.Tensor]:
+    """A chunk's rows of a per-row output gradient (None: the loss did not use that output)."""
+    return None if grad is None else grad[slots]
+
+
 def _add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b with fp32 sums whatever a and b hold (bf16/fp16 products rounded once, at the end)."""
     if a.dtype == torch.float32:
@@ -185,9 +190,9 @@ def linear_token_stats_backward_op(
     rows: Optional[torch.Tensor],
     lse: torch.Tensor,
     mean_z: torch.Tensor,
-    logp_grad: torch.Tensor,
+    logp_grad: Optional[torch.Tensor],
     entropy_grad: Optional[torch.Tensor],
-    scores_grad: torch.Tensor,
+    scores_grad: Optional[torch.Tensor],
     temperature: float,
     vocab_start: int,
     chunk_rows: int,
@@ -195,16 +200,16 @@ def linear_token_stats_backward_op(
     wants_weight: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d hidden, d weight) with the logits recomputed chunk by chunk; a gradient not wanted is an
-    empty tensor (an op returns no None). entropy_grad None: no entropy term."""
+    empty tensor (an op returns no None). A None output gradient is zero (entropy_grad None: no
+    entropy term)."""
     grad_hidden = torch.zeros(hidden.shape if wants_hidden else (0,), dtype=hidden.dtype, device=hidden.device)
     grad_weight = torch.zeros(weight.shape if wants_weight else (0,), dtype=torch.float32, device=weight.device)
     chunks = _ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
     row_grads = None if rows is None or not wants_hidden else torch.empty_like(chunks.gathered)
     for slots, rows_in, logits in chunks:
         grad_logits = logits_grad(
-            logits, logits, ids[slots], None, lse[slots], mean_z[slots], logp_grad[slots],
-            None if entropy_grad is None else entropy_grad[slots], scores_grad[slots],
-            vocab_start, temperature,
+            logits, logits, ids[slots], None, lse[slots], mean_z[slots], _rows_of(logp_grad, slots),
+            _rows_of(entropy_grad, slots), _rows_of(scores_grad, slots), vocab_start, temperature,
         )  # fmt: skip
         if wants_hidden and rows is None:
             torch.mm(grad_logits, weight, out=grad_hidden[slots])
@@ -229,6 +234,7 @@ def _linear_token_stats_setup_context(ctx, inputs, output):
     hidden, weight, ids, rows, temperature, with_entropy, vocab_start, _, chunk_rows = inputs
     _, _, _, lse, mean_z = output
     ctx.save_for_backward(hidden, weight, ids, rows, lse, mean_z)
+    ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not a zeros fill
     ctx.temperature, ctx.with_entropy, ctx.vocab_start, ctx.chunk_rows = temperature, with_entropy, vocab_start, chunk_rows
 
 

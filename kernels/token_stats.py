@@ -458,6 +458,7 @@ def _token_stats_setup_context(ctx, inputs, output):
     logits, ids, rows, temperature, with_entropy, vocab_start, _, inplace_backward = inputs
     _, _, _, lse, mean_z = output
     ctx.save_for_backward(logits, ids, rows, lse, mean_z)
+    ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not a zeros fill
     ctx.temperature, ctx.with_entropy, ctx.vocab_start, ctx.inplace = temperature, with_entropy, vocab_start, inplace_backward
 
 

@@ -12,7 +12,7 @@ weight: same rows, same results.
 """
 
 import os
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -85,11 +85,12 @@ class ResponseTokens(NamedTuple):
         parts = [full[s.positions.to(full.device)] for full, s in zip(per_sample, self.samples, strict=True)]
         return torch.cat(parts).to(self.rows.device)
 
-    def token_stats(self, output: torch.Tensor, ids: torch.Tensor, **kwargs):
+    def token_stats(self, output: torch.Tensor, ids: torch.Tensor, *, validate: Optional[bool] = None, **kwargs):
         """Token statistics of the response rows on Megatron's tensor-parallel group, from the
         model output: `token_stats` of the logits, or `linear_token_stats` of the hidden states and
-        output weight when the output layer handed off (--fusedrl-fused-lm-head)."""
-        validate = check_values()
+        output weight when the output layer handed off (--fusedrl-fused-lm-head). validate: check
+        the ids' and rows' values (default `check_values()`)."""
+        validate = check_values() if validate is None else validate
         weight = lm_head.output_weight()
         if weight is None:
             return token_stats(output, ids, rows=self.rows, tp_group=megatron.tp_group(), validate=validate, **kwargs)

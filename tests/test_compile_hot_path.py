@@ -5,7 +5,9 @@ the way of CUDA-graph capture; the first call still refuses bad ids with the ker
 import pytest
 import torch
 
+from fusedrl.kernels import TokenStats
 from fusedrl.slime_ext import logprobs, responses
+from fusedrl.slime_ext.losses.centering import center
 
 
 @pytest.fixture
@@ -46,3 +48,16 @@ def test_first_call_refuses_ids_outside_the_vocabulary(fresh_process):
     logits = torch.randn(3, 5)
     with pytest.raises(ValueError, match=r"ids must lie in \[0, 5\), got ids\[1, 0\] = 7"):
         logprobs.calculate_log_probs_and_entropy(logits, torch.tensor([1, 7, 2]), None)
+
+
+def test_sfc_draw_weights_finiteness_is_checked_only_when_values_are():
+    """The SFC loss passes the same switch to `center`, whose finiteness check is a host sync too;
+    shapes are checked either way."""
+    stats = TokenStats(torch.randn(4, 3), None, torch.randn(4, 3))
+    weights = torch.full((4, 2), 0.5)
+    weights[1, 0] = float("nan")
+    with pytest.raises(ValueError, match="draw_weights must be finite"):
+        center(stats, weights)
+    assert torch.isnan(center(stats, weights, validate=False).centered_score[1])
+    with pytest.raises(ValueError, match=r"draw_weights must have shape \[4, 2\]"):
+        center(stats, weights[:3], validate=False)

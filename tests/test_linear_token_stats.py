@@ -12,12 +12,12 @@ import torch
 from bench_package import import_bench
 from lm_head_cases import head_with_grad, random_layer, truth_head
 from numerics import rel_err
-from token_stats_cases import loss_of, make_ids
+from token_stats_cases import loss_of, make_ids, upstream_grads
 
 import_bench()
 from bench.memory import TensorTally  # noqa: E402
 
-from fusedrl.kernels import linear_token_stats, token_stats, token_stats_reference
+from fusedrl.kernels import TokenStats, linear_token_stats, token_stats, token_stats_reference
 from fusedrl.kernels.linear_token_stats import default_chunk_rows
 
 FP32_TOL = 1e-5
@@ -95,6 +95,20 @@ def test_bf16_no_worse_than_the_unfused_and_eager_paths(vocab, rows):
     for grad, ref, base in zip(fused_grads, truth_grads, unfused_grads):
         assert grad.dtype == torch.bfloat16
         assert rel_err(grad, ref) <= rel_err(base, ref) * 1.05 + slack
+
+
+@pytest.mark.parametrize("used", TokenStats._fields)
+def test_a_loss_of_one_output_alone_gets_the_exact_gradients(used):
+    """Outputs a loss does not use reach the backward as None (no zeros filled for them)."""
+    gen = torch.Generator().manual_seed(13)
+    hidden, weight = random_layer(12, 16, 301, torch.float32, gen)
+    ids, kwargs = make_ids(12, 301, 3, gen), dict(temperature=0.7, with_entropy=True, chunk_rows=5)
+    grads = upstream_grads(truth_head(hidden, weight, ids, **kwargs), gen)
+    grads = [grad if name == used else None for name, grad in zip(TokenStats._fields, grads)]
+    _, _, fused = head_with_grad(linear_token_stats, hidden, weight, ids, grads, **kwargs)
+    _, _, truth = head_with_grad(truth_head, hidden, weight, ids, grads, **kwargs)
+    for grad, truth_grad in zip(fused, truth):
+        assert rel_err(grad, truth_grad) < FP32_TOL
 
 
 def test_empty_selection_gives_empty_outputs_and_zero_gradients():

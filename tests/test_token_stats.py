@@ -10,12 +10,12 @@ import torch
 from bench_package import import_bench
 from device import on_cpu, to_cpu, to_device
 from numerics import rel_err
-from token_stats_cases import loss_of, make_ids, random_logits, run_with_grad
+from token_stats_cases import loss_of, make_ids, random_logits, run_with_grad, upstream_grads
 
 import_bench()
 from bench.eager import eager_token_stats as eager_same_dtype  # noqa: E402
 
-from fusedrl.kernels import token_stats, token_stats_reference
+from fusedrl.kernels import TokenStats, token_stats, token_stats_reference
 
 FP32_TOL = 1e-5
 
@@ -50,6 +50,19 @@ def test_fp32_forward_and_backward_match_float64(vocab, num_ids, temperature, wi
             assert out.dtype == torch.float32
             assert rel_err(out, ref) < FP32_TOL, name
     assert rel_err(grad, truth_grad) < FP32_TOL
+
+
+@pytest.mark.parametrize("used", TokenStats._fields)
+def test_a_loss_of_one_output_alone_gets_the_exact_gradient(used):
+    """Outputs a loss does not use reach the backward as None (no zeros filled for them)."""
+    gen = torch.Generator().manual_seed(11)
+    logits, ids = random_logits(16, 1000, torch.float32, gen), make_ids(16, 1000, 3, gen)
+    kwargs = dict(temperature=0.7, with_entropy=True)
+    grads = upstream_grads(token_stats_reference(logits.double(), ids, **kwargs), gen)
+    grads = [grad if name == used else None for name, grad in zip(TokenStats._fields, grads)]
+    _, _, grad = run_with_grad(token_stats, logits, ids, grads, **kwargs)
+    _, _, truth = run_with_grad(token_stats_reference, logits.double(), ids, grads, **kwargs)
+    assert rel_err(grad, truth) < FP32_TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

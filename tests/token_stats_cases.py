@@ -23,7 +23,8 @@ def upstream_grads(stats, generator):
 
 
 def loss_of(stats, grads):
-    return sum((out.double() * g.double()).sum() for out, g in zip(stats, grads) if out is not None)
+    """sum(out * g) over the outputs with an upstream gradient (None: the loss does not use it)."""
+    return sum((out.double() * g.double()).sum() for out, g in zip(stats, grads) if out is not None and g is not None)
 
 
 def run_with_grad(fn, logits, ids, grads=None, **kwargs):

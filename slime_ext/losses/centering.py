@@ -62,15 +62,18 @@ def centered_scores(
     return center(token_stats(logits, ids, temperature=temperature, rows=rows, tp_group=tp_group), draw_weights)
 
 
-def center(stats, draw_weights: Optional[torch.Tensor] = None) -> CenteredScores:
-    """CenteredScores from the kernel's statistics of `[N, 1 + K]` ids (sampled token first)."""
+def center(stats, draw_weights: Optional[torch.Tensor] = None, *, validate: bool = True) -> CenteredScores:
+    """CenteredScores from the kernel's statistics of `[N, 1 + K]` ids (sampled token first).
+
+    validate=False skips the finiteness check of the draw weights (a host sync), as the kernel's
+    `validate` skips its value checks; shapes are always checked."""
     if stats.logp.shape[1] < 2:
         raise ValueError(f"ids must have shape [N, 1 + K] with K >= 1, got {tuple(stats.logp.shape)}")
     num_rows, num_draws = stats.logp.shape[0], stats.logp.shape[1] - 1
     if draw_weights is None:
         weights = torch.full((num_rows, num_draws), 1.0 / num_draws, dtype=torch.float32, device=stats.logp.device)
     else:
-        weights = _checked_draw_weights(draw_weights, num_rows, num_draws).to(stats.logp.device)
+        weights = _checked_draw_weights(draw_weights, num_rows, num_draws, validate).to(stats.logp.device)
     centered_score = stats.scores[:, 0] - (stats.scores[:, 1:] * weights).sum(-1)
     kl_term = -(stats.logp[:, 1:] * weights).sum(-1)
     return CenteredScores(centered_score, kl_term, stats.logp[:, 0])
@@ -86,13 +89,13 @@ def sfc_token_loss(scores: CenteredScores, advantages: torch.Tensor, kl_coefs: t
     return -advantages * scores.centered_score + kl_coefs.detach().to(torch.float32) * scores.kl_term
 
 
-def _checked_draw_weights(draw_weights: torch.Tensor, num_rows: int, num_draws: int) -> torch.Tensor:
-    """The caller's centering weights as float32, after a shape and finiteness check."""
+def _checked_draw_weights(draw_weights: torch.Tensor, num_rows: int, num_draws: int, finite: bool) -> torch.Tensor:
+    """The caller's centering weights as float32, after a shape check and (`finite`) a finiteness check."""
     if tuple(draw_weights.shape) != (num_rows, num_draws):
         raise ValueError(
             f"draw_weights must have shape [{num_rows}, {num_draws}] (N rows, K draws), "
             f"got {tuple(draw_weights.shape)}"
         )
-    if not bool(torch.isfinite(draw_weights).all()):
+    if finite and not bool(torch.isfinite(draw_weights).all()):
         raise ValueError("draw_weights must be finite, got a NaN or infinite weight")
     return draw_weights.detach().to(torch.float32)

@@ -15,7 +15,7 @@ from .. import carry
 from ..age import CLOCK
 from ..aggregation import aggregate_pg_loss
 from ..arguments import check_at_first_use
-from ..responses import ResponseTokens
+from ..responses import ResponseTokens, check_values
 from .centering import CenteredScores, center, centered_scores, kl_coefficients, sfc_token_loss
 from .contract import detached, reaching_logits
 
@@ -65,8 +65,9 @@ def _token_scores(args, batch, logits):
     if carry.SFC_DRAW_WEIGHTS_KEY in carry.carried(batch):
         weights = tokens.at_positions(_carried_draws(batch, carry.SFC_DRAW_WEIGHTS_KEY, num_draws))
     ids = torch.cat([tokens.targets(batch["unconcat_tokens"])[:, None], draws], dim=1)
-    stats = tokens.token_stats(logits, ids, temperature=float(args.rollout_temperature))
-    per_row = torch.stack(center(stats, weights), dim=-1)
+    validate = check_values()
+    stats = tokens.token_stats(logits, ids, temperature=float(args.rollout_temperature), validate=validate)
+    per_row = torch.stack(center(stats, weights, validate=validate), dim=-1)
     scores = CenteredScores(*torch.cat(tokens.per_sample(per_row)).unbind(-1))
     versions = torch.cat(carry.per_token(batch, carry.SFC_VERSIONS_KEY, tokens.cp_rank, tokens.cp_size))
     return scores, CLOCK.ages(versions).to(logits.device)
