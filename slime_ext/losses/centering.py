@@ -89,13 +89,13 @@ def sfc_token_loss(scores: CenteredScores, advantages: torch.Tensor, kl_coefs: t
     return -advantages * scores.centered_score + kl_coefs.detach().to(torch.float32) * scores.kl_term
 
 
-def _checked_draw_weights(draw_weights: torch.Tensor, num_rows: int, num_draws: int, finite: bool) -> torch.Tensor:
-    """The caller's centering weights as float32, after a shape check and (`finite`) a finiteness check."""
+def _checked_draw_weights(draw_weights: torch.Tensor, num_rows: int, num_draws: int, check_finite: bool) -> torch.Tensor:
+    """The caller's centering weights as float32, after a shape check and (`check_finite`) a finiteness check."""
     if tuple(draw_weights.shape) != (num_rows, num_draws):
         raise ValueError(
             f"draw_weights must have shape [{num_rows}, {num_draws}] (N rows, K draws), "
             f"got {tuple(draw_weights.shape)}"
         )
-    if finite and not bool(torch.isfinite(draw_weights).all()):
+    if check_finite and not bool(torch.isfinite(draw_weights).all()):
         raise ValueError("draw_weights must be finite, got a NaN or infinite weight")
     return draw_weights.detach().to(torch.float32)
