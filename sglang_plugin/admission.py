@@ -8,40 +8,59 @@ Two SGLang processes admit requests, and each gets a hook:
 - `scheduler_admission_hook` (AFTER `sglang.srt.managers.utils.validate_input_length`): runs in
   every scheduler process, which receives every generate request whatever front end tokenized
   it. A message returned there is SGLang's own per-request rejection: the scheduler aborts that
-  request alone with HTTP 400 (`Req.set_finish_with_abort`) and keeps serving the others.
+  request alone with HTTP 400 (`Req.set_finish_with_abort`, which also replaces its prompt by
+  one in-vocabulary token) and keeps serving the others.
+
+Both refuse, in this order: an input id outside the model's vocabulary (`vocab_size` of the
+model config, which both processes hold), then top_logprobs_num above the configured bound,
+then truncated or greedy sampling. Multimodal and input-embedding requests skip the id check:
+SGLang puts placeholder ids into their prompts.
+
+Both hooks are registered as `functools.partial(hook, max_samples)`.
 """
 
 from __future__ import annotations
 
-from .constraints import request_problem
+from .constraints import input_ids_problem, request_problem
 
 
-def tokenizer_admission_hook(tokenized, manager, *args, **kwargs) -> None:
-    """Raise ValueError naming the parameter when a request with top_logprobs_num > 0 would be
-    sampled from a truncated or greedy distribution."""
-    problem = request_problem(
-        tokenized.sampling_params,
-        getattr(tokenized, "top_logprobs_num", 0),
-        getattr(getattr(manager, "model_config", None), "vocab_size", None),
-    )
+def tokenizer_admission_hook(max_samples: int, tokenized, manager, *args, **kwargs) -> None:
+    """Raise ValueError naming input_ids or the sampling parameter the request cannot have."""
+    vocab_size = getattr(getattr(manager, "model_config", None), "vocab_size", None)
+    problem = None
+    if getattr(tokenized, "mm_inputs", None) is None and getattr(tokenized, "input_embeds", None) is None:
+        problem = input_ids_problem(getattr(tokenized, "input_ids", None), vocab_size)
+    if problem is None:
+        problem = request_problem(
+            tokenized.sampling_params,
+            getattr(tokenized, "top_logprobs_num", 0),
+            vocab_size,
+            max_samples,
+        )
     if problem is not None:
         raise ValueError(problem)
     return None
 
 
-def scheduler_admission_hook(error_message, req, *args, **kwargs):
+def scheduler_admission_hook(max_samples: int, error_message, req, *args, **kwargs):
     """SGLang's input-length verdict, or else this plugin's refusal of `req` (a `Req`).
 
     A refused request also stops asking for top logprobs, so the one-token prefill SGLang runs
     to finish an aborted request puts no draw request for it into the batch."""
     if error_message is not None:
         return error_message
+    vocab_size = getattr(req, "vocab_size", None)
     logprob = getattr(req, "logprob", None)
-    problem = request_problem(
-        req.sampling_params,
-        getattr(logprob, "top_logprobs_num", 0),
-        getattr(req, "vocab_size", None),
-    )
-    if problem is not None:
+    problem = None
+    if getattr(req, "multimodal_inputs", None) is None and getattr(req, "input_embeds", None) is None:
+        problem = input_ids_problem(getattr(req, "origin_input_ids", None), vocab_size)
+    if problem is None:
+        problem = request_problem(
+            req.sampling_params,
+            getattr(logprob, "top_logprobs_num", 0),
+            vocab_size,
+            max_samples,
+        )
+    if problem is not None and logprob is not None:
         logprob.top_logprobs_num = 0
     return problem

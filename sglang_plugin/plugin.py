@@ -4,7 +4,14 @@ SGLang's `load_plugins()` calls `register()` early in each of its processes and 
 hooks registered here. With AGENTCORE_SGLANG_TOKEN_SAMPLES unset, `register()` registers nothing
 and SGLang runs untouched. With it set to 1, it picks the hook target for the installed SGLang,
 logs which one it patched (or why it could not), and registers the door hooks of
-`admission.py`, the sampler hooks of `hooks.py` and the start-up checks of `startup.py`.
+`admission.py` (with the K bound of AGENTCORE_SGLANG_TOKEN_SAMPLES_MAX_K), the sampler hooks of
+`hooks.py` and the start-up checks of `startup.py`.
+
+The "enabled" line is a warning, one per process that loads the plugin and naming it: SGLang
+calls `load_plugins()` before `configure_logger` (in `launch_server` and first thing in its
+scheduler and detokenizer processes), so at that moment only Python's last-resort handler,
+which prints warnings and errors, is there to write it; and the mode does change what every
+request's top_logprobs_num means.
 
 `load_plugins()` only logs exceptions raised here and carries on, so a configuration the mode
 cannot serve, or a hook that did not land, is refused through the start-up checks, which run
@@ -20,7 +27,7 @@ from importlib import metadata
 from typing import Callable, NamedTuple, Optional
 
 from .admission import scheduler_admission_hook, tokenizer_admission_hook
-from .constraints import ENV_VAR
+from .constraints import ENV_VAR, MAX_SAMPLES_ENV_VAR, max_samples_from_env
 from .hooks import attach_logprobs_hook, compute_logprobs_hook, sampler_forward_hook
 from .startup import original_logprob_problem, refuse_missing_hooks, refuse_server_config
 
@@ -61,15 +68,16 @@ def register() -> None:
 
     version = _sglang_version()
     target = find_draw_target()
+    max_samples, bound_problem = max_samples_from_env()
     problems = []
     if target is None:
         problems.append(
             f"sglang {version} has neither {COMPUTE_LOGPROBS_TARGET} (>= 0.5.16) nor "
             f"{ATTACH_LOGPROBS_TARGET} (0.5.12 - 0.5.15) to hook"
         )
-    problem = original_logprob_problem()
-    if problem is not None:
-        problems.append(problem)
+    for problem in (original_logprob_problem(), bound_problem):
+        if problem is not None:
+            problems.append(problem)
 
     if problems:
         refusal = functools.partial(refuse_server_config, tuple(problems), ())
@@ -95,18 +103,28 @@ def register() -> None:
         functools.partial(refuse_missing_hooks, scheduler_targets),
         HookType.BEFORE,
     )
-    HookRegistry.register(ADMISSION_TARGET, tokenizer_admission_hook, HookType.AFTER)
-    HookRegistry.register(SCHEDULER_ADMISSION_TARGET, scheduler_admission_hook, HookType.AFTER)
+    HookRegistry.register(
+        ADMISSION_TARGET, functools.partial(tokenizer_admission_hook, max_samples), HookType.AFTER
+    )
+    HookRegistry.register(
+        SCHEDULER_ADMISSION_TARGET,
+        functools.partial(scheduler_admission_hook, max_samples),
+        HookType.AFTER,
+    )
     HookRegistry.register(SAMPLER_FORWARD_TARGET, sampler_forward_hook, HookType.AROUND)
     HookRegistry.register(target.path, target.hook, HookType.AROUND)
-    logger.info(
-        "fusedrl token samples enabled (sglang %s): patching %s (target for sglang %s); "
-        "top_logprobs_num=K now returns the sampled token plus K draws for every request; "
-        "requests with top_logprobs_num > 0 and truncated or greedy sampling are refused, and "
-        "so is speculative decoding at start-up.",
+    logger.warning(
+        "fusedrl token samples enabled in process %d (sglang %s): patching %s (target for "
+        "sglang %s); top_logprobs_num=K now returns the sampled token plus K draws for every "
+        "request; refused with HTTP 400: K > %d (%s), truncated or greedy sampling with K > 0, "
+        "and input ids outside the model's vocabulary; speculative decoding and watermarking "
+        "are refused at start-up.",
+        os.getpid(),
         version,
         target.path,
         target.versions,
+        max_samples,
+        MAX_SAMPLES_ENV_VAR,
     )
 
 

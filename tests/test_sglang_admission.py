@@ -1,12 +1,14 @@
 """The door: a request the plugin cannot serve is refused with a message naming the parameter,
 in SGLang's real TokenizerManager and scheduler validation, and a batch it shares with log-prob
-requests never makes SGLang's real sampler raise."""
+requests never makes SGLang's real sampler raise; so are top_logprobs_num above the configured
+bound and input ids outside the vocabulary."""
 
 from __future__ import annotations
 
 import collections
 import logging
 import re
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +19,7 @@ from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from fusedrl.sglang_plugin import hooks
+from fusedrl.sglang_plugin.constraints import DEFAULT_MAX_SAMPLES, MAX_SAMPLES_ENV_VAR
 from sglang_harness import (
     batch_sampling_info,
     hooks_enabled,
@@ -169,3 +172,82 @@ def test_mixed_batch_never_raises_and_the_door_refuses_the_truncated_request(mon
     torch.testing.assert_close(
         output.next_token_top_logprobs_val[1].double(), truth[1, ids[1]], rtol=1e-5, atol=1e-5
     )
+
+
+def _tokenize_ids(manager, input_ids, top_logprobs_num=0, mm_inputs=None):
+    request = GenerateReqInput(
+        input_ids=list(input_ids),
+        sampling_params=dict(temperature=1.0),
+        return_logprob=True,
+        top_logprobs_num=top_logprobs_num,
+    )
+    request.normalize_batch_and_arguments()
+    return manager._create_tokenized_object(request, "", list(input_ids), mm_inputs=mm_inputs)
+
+
+def _scheduler_req(input_ids, top_logprobs_num=0):
+    req = make_req("r", VOCAB, return_logprob=True, top_logprobs_num=top_logprobs_num, temperature=1.0)
+    req.origin_input_ids = array("q", input_ids)
+    return req
+
+
+OUT_OF_VOCABULARY = [([VOCAB + 5, 7], VOCAB + 5), ([1, 2, VOCAB], VOCAB), ([3, -1], -1)]
+
+
+@pytest.mark.parametrize("input_ids, bad", OUT_OF_VOCABULARY)
+@pytest.mark.parametrize("num", [0, 3])
+def test_both_doors_refuse_input_ids_outside_the_vocabulary(monkeypatch, input_ids, bad, num):
+    """Such an id would reach SGLang's embedding lookup and kill the scheduler; the refusal
+    names input_ids, the id and the vocabulary size, whatever the request asks for."""
+    message = rf"input_ids holds token id {bad}, outside the model's vocabulary of {VOCAB} tokens \(vocab_size={VOCAB}"
+    publish_cpu_runtime()
+    with hooks_enabled(monkeypatch):
+        with pytest.raises(ValueError, match=message):
+            _tokenize_ids(_tokenizer_manager(), input_ids, num)
+        verdict = manager_utils.validate_input_length(_scheduler_req(input_ids, num), 100, False)
+    assert verdict is not None and re.search(message, verdict)
+
+
+def test_both_doors_admit_every_id_inside_the_vocabulary(monkeypatch):
+    publish_cpu_runtime()
+    ids = [0, 1, VOCAB - 1]
+    with hooks_enabled(monkeypatch):
+        assert list(_tokenize_ids(_tokenizer_manager(), ids).input_ids) == ids
+        assert manager_utils.validate_input_length(_scheduler_req(ids), 100, False) is None
+
+
+def test_multimodal_prompts_skip_the_id_check(monkeypatch):
+    """SGLang puts placeholder ids beyond the vocabulary into multimodal prompts."""
+    publish_cpu_runtime()
+    with hooks_enabled(monkeypatch):
+        tokenized = _tokenize_ids(_tokenizer_manager(), [VOCAB + 5], mm_inputs={"mm_items": []})
+        req = _scheduler_req([VOCAB + 5])
+        req.multimodal_inputs = object()
+        assert manager_utils.validate_input_length(req, 100, False) is None
+    assert list(tokenized.input_ids) == [VOCAB + 5]
+
+
+def test_out_of_vocabulary_ids_are_sglang_business_without_the_variable(monkeypatch):
+    publish_cpu_runtime()
+    with hooks_enabled(monkeypatch, env_value=None):
+        assert list(_tokenize_ids(_tokenizer_manager(), [VOCAB + 5]).input_ids) == [VOCAB + 5]
+        assert manager_utils.validate_input_length(_scheduler_req([VOCAB + 5]), 100, False) is None
+
+
+@pytest.mark.parametrize("bound, refused", [(None, DEFAULT_MAX_SAMPLES + 1), ("8", 9), ("1", 2)])
+def test_both_doors_refuse_top_logprobs_num_above_the_bound(monkeypatch, bound, refused):
+    limit = DEFAULT_MAX_SAMPLES if bound is None else int(bound)
+    if bound is None:
+        monkeypatch.delenv(MAX_SAMPLES_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(MAX_SAMPLES_ENV_VAR, bound)
+    message = rf"top_logprobs_num={refused} exceeds the limit of {limit} draws per position \({MAX_SAMPLES_ENV_VAR}"
+    publish_cpu_runtime()
+    with hooks_enabled(monkeypatch):
+        manager = _tokenizer_manager()
+        with pytest.raises(ValueError, match=message):
+            _tokenize(manager, True, refused, temperature=1.0)
+        assert _tokenize(manager, True, limit, temperature=1.0).top_logprobs_num == limit
+        verdict = manager_utils.validate_input_length(_scheduler_req([1, 2], refused), 100, False)
+        assert verdict is not None and re.search(message, verdict)
+        assert manager_utils.validate_input_length(_scheduler_req([1, 2], limit), 100, False) is None

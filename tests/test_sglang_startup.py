@@ -4,6 +4,7 @@ stop the server (main process and every scheduler process) instead of serving wr
 from __future__ import annotations
 
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang.srt.layers.sampler import Sampler
 
 from fusedrl.sglang_plugin import plugin
+from fusedrl.sglang_plugin.constraints import MAX_SAMPLES_ENV_VAR
 from sglang_harness import hooks_enabled, publish_cpu_runtime
 
 
@@ -113,3 +115,13 @@ def test_scheduler_start_passes_the_check_when_every_hook_landed(monkeypatch):
     with hooks_enabled(monkeypatch):
         check = _registered(plugin.SCHEDULER_INIT_TARGET, HookType.BEFORE)
         assert check(object(), None, None) is None
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many", "2.5"])
+def test_a_bad_draw_bound_leaves_sglang_alone_and_refuses_start_naming_it(monkeypatch, caplog, value):
+    monkeypatch.setenv(MAX_SAMPLES_ENV_VAR, value)
+    with caplog.at_level(logging.ERROR), hooks_enabled(monkeypatch):
+        assert list(HookRegistry._hooks) == [plugin.SERVER_ARGS_TARGET]
+        with pytest.raises(ValueError, match=rf"refusing to start: {MAX_SAMPLES_ENV_VAR}='{re.escape(value)}' is not a positive integer"):
+            _server_check()(None, _server_args())
+    assert "NOT enabled" in caplog.text
