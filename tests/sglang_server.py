@@ -17,8 +17,9 @@ What it takes, built here at test time:
 - `post`: one HTTP request with the standard library (no client-side JSON encoding, so malformed
   bodies can be sent), returning (status, parsed JSON or text).
 
-A server is shared by every test of a session that asks for the same configuration
-(`shared_server`); it is stopped when the session ends.
+Each test module starts the servers it needs (`running_server`, `start_server`) and stops them
+when it ends, so no server idles through the rest of the session; the model and the stub are
+built once per session (`artifacts`).
 """
 
 from __future__ import annotations
@@ -318,7 +319,6 @@ class Server:
 
 
 _built: Dict[str, Path] = {}
-_servers: Dict[str, Server] = {}
 
 
 def artifacts(tmp_path_factory) -> Tuple[Path, Path]:
@@ -337,19 +337,13 @@ def start_server(tmp_path_factory, name: str, env, extra_args=(), **kwargs) -> S
     return Server(model, stub, log, env=env, extra_args=extra_args, **kwargs)
 
 
-def shared_server(tmp_path_factory, name: str, env, extra_args=()) -> Iterator[Server]:
-    """Body of a session fixture: the ready server `name`, shared by every test module of the
-    session that asks for it (each module's fixture is its own, the server is not), stopped
-    when the session ends."""
-    if name not in _servers:
-        _servers[name] = start_server(tmp_path_factory, name, env, extra_args)
-    server = _servers[name]
+def running_server(tmp_path_factory, name: str, env, extra_args=()) -> Iterator[Server]:
+    """Body of a fixture: the ready server `name`, stopped when the fixture ends."""
+    server = start_server(tmp_path_factory, name, env, extra_args)
     try:
         yield server.wait_ready()
     finally:
-        stopped = _servers.pop(name, None)
-        if stopped is not None:
-            stopped.stop()
+        server.stop()
 
 
 # The plugin on, SGLANG_PLUGINS unset (every installed plugin loads).

@@ -3,8 +3,8 @@ AGENTCORE_SGLANG_TOKEN_SAMPLES=1: draws against the model's own float64 distribu
 at the door, a mixed load, the weight version, the K bound, out-of-vocabulary input ids and the
 plugin's line in every server process's log.
 
-One server serves this module (and any other that asks for the same one); the requests are
-small and bounded in number, each with a time limit."""
+One server serves this module; the requests are small and bounded in number, each with a time
+limit."""
 
 from __future__ import annotations
 
@@ -37,14 +37,14 @@ from sglang_server import (
     error_message,
     generate,
     post,
-    shared_server,
+    running_server,
 )
 
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from shared_server(tmp_path_factory, "plugin", PLUGIN_ENV)
+    yield from running_server(tmp_path_factory, "plugin", PLUGIN_ENV)
 
 
 @pytest.fixture(scope="session")

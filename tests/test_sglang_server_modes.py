@@ -35,6 +35,39 @@ from sglang_server import (
 WORKERS_MAX_K = 8
 
 
+_MISSING_HOOK_LAUNCHER = """
+import runpy, sys
+from sglang.srt.plugins.hook_registry import HookRegistry
+apply_target, missing = HookRegistry._apply_target.__func__, sys.argv[1]
+def apply_all_but_one(cls, target, hooks):
+    if target == missing:
+        raise AttributeError(f"test: SGLang cannot patch {target}")
+    return apply_target(cls, target, hooks)
+HookRegistry._apply_target = classmethod(apply_all_but_one)
+sys.argv = ["sglang.launch_server"] + sys.argv[2:]
+runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_hook_sglang_fails_to_apply_stops_start_up_naming_it(tmp_path_factory):
+    """SGLang's HookRegistry only logs a hook it cannot apply; here it cannot apply the draw
+    hook (as when a release renames the target), and the real launch_server stops."""
+    server = start_server(
+        tmp_path_factory,
+        "missing_hook",
+        PLUGIN_ENV,
+        python=(sys.executable, "-c", _MISSING_HOOK_LAUNCHER, COMPUTE_LOGPROBS_TARGET),
+        module_args=(),
+    )
+    try:
+        assert server.wait_exit() != 0
+        log = server.log_text()
+    finally:
+        server.stop()
+    assert "refusing to start" in log, log[-3000:]
+    assert f"SGLang did not apply the plugin's hooks on {COMPUTE_LOGPROBS_TARGET}" in log
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """{name: ready Server}: 'unset' (package installed, variable unset), 'stock' (SGLang told
@@ -121,36 +154,3 @@ def test_tokenizer_workers_the_scheduler_refuses_and_the_server_keeps_serving(se
     assert server.alive()
     # The HTTP workers never load the plugin; the main, scheduler and detokenizer processes do.
     assert server.log_text().count(ENABLED_LINE.split("{")[0]) >= 3
-
-
-_MISSING_HOOK_LAUNCHER = """
-import runpy, sys
-from sglang.srt.plugins.hook_registry import HookRegistry
-apply_target, missing = HookRegistry._apply_target.__func__, sys.argv[1]
-def apply_all_but_one(cls, target, hooks):
-    if target == missing:
-        raise AttributeError(f"test: SGLang cannot patch {target}")
-    return apply_target(cls, target, hooks)
-HookRegistry._apply_target = classmethod(apply_all_but_one)
-sys.argv = ["sglang.launch_server"] + sys.argv[2:]
-runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
-"""
-
-
-def test_a_hook_sglang_fails_to_apply_stops_start_up_naming_it(tmp_path_factory):
-    """SGLang's HookRegistry only logs a hook it cannot apply; here it cannot apply the draw
-    hook (as when a release renames the target), and the real launch_server stops."""
-    server = start_server(
-        tmp_path_factory,
-        "missing_hook",
-        PLUGIN_ENV,
-        python=(sys.executable, "-c", _MISSING_HOOK_LAUNCHER, COMPUTE_LOGPROBS_TARGET),
-        module_args=(),
-    )
-    try:
-        assert server.wait_exit() != 0
-        log = server.log_text()
-    finally:
-        server.stop()
-    assert "refusing to start" in log, log[-3000:]
-    assert f"SGLang did not apply the plugin's hooks on {COMPUTE_LOGPROBS_TARGET}" in log
