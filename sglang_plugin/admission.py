@@ -26,17 +26,13 @@ from .constraints import input_ids_problem, request_problem
 
 def tokenizer_admission_hook(max_samples: int, tokenized, manager, *args, **kwargs) -> None:
     """Raise ValueError naming input_ids or the sampling parameter the request cannot have."""
-    vocab_size = getattr(getattr(manager, "model_config", None), "vocab_size", None)
-    problem = None
-    if getattr(tokenized, "mm_inputs", None) is None and getattr(tokenized, "input_embeds", None) is None:
-        problem = input_ids_problem(getattr(tokenized, "input_ids", None), vocab_size)
-    if problem is None:
-        problem = request_problem(
-            tokenized.sampling_params,
-            getattr(tokenized, "top_logprobs_num", 0),
-            vocab_size,
-            max_samples,
-        )
+    problem = _refusal(
+        _plain_prompt(tokenized, "input_ids", "mm_inputs"),
+        tokenized.sampling_params,
+        getattr(tokenized, "top_logprobs_num", 0),
+        getattr(getattr(manager, "model_config", None), "vocab_size", None),
+        max_samples,
+    )
     if problem is not None:
         raise ValueError(problem)
     return None
@@ -49,18 +45,30 @@ def scheduler_admission_hook(max_samples: int, error_message, req, *args, **kwar
     to finish an aborted request puts no draw request for it into the batch."""
     if error_message is not None:
         return error_message
-    vocab_size = getattr(req, "vocab_size", None)
     logprob = getattr(req, "logprob", None)
-    problem = None
-    if getattr(req, "multimodal_inputs", None) is None and getattr(req, "input_embeds", None) is None:
-        problem = input_ids_problem(getattr(req, "origin_input_ids", None), vocab_size)
-    if problem is None:
-        problem = request_problem(
-            req.sampling_params,
-            getattr(logprob, "top_logprobs_num", 0),
-            vocab_size,
-            max_samples,
-        )
+    problem = _refusal(
+        _plain_prompt(req, "origin_input_ids", "multimodal_inputs"),
+        req.sampling_params,
+        getattr(logprob, "top_logprobs_num", 0),
+        getattr(req, "vocab_size", None),
+        max_samples,
+    )
     if problem is not None and logprob is not None:
         logprob.top_logprobs_num = 0
     return problem
+
+
+def _plain_prompt(request, ids_field: str, multimodal_field: str):
+    """The prompt ids of `request` to check; None for a multimodal or input-embedding request
+    (embedding requests have no input_embeds field)."""
+    if getattr(request, multimodal_field, None) is not None:
+        return None
+    if getattr(request, "input_embeds", None) is not None:
+        return None
+    return getattr(request, ids_field, None)
+
+
+def _refusal(input_ids, sampling_params, top_logprobs_num, vocab_size, max_samples):
+    return input_ids_problem(input_ids, vocab_size) or request_problem(
+        sampling_params, top_logprobs_num, vocab_size, max_samples
+    )

@@ -193,8 +193,6 @@ def error_message(body) -> str:
         error = body.get("error", body)
         if isinstance(error, dict) and "message" in error:
             return str(error["message"])
-        if "detail" in body:
-            return json.dumps(body["detail"])
     return str(body)
 
 
@@ -209,9 +207,10 @@ class Server:
         *,
         env: Mapping[str, Optional[str]],
         extra_args: Sequence[str] = (),
-        python: Sequence[str] = (sys.executable,),
-        module_args: Sequence[str] = ("-m", "sglang.launch_server"),
+        launcher: Sequence[str] = (sys.executable, "-m", "sglang.launch_server"),
     ):
+        """Start `launcher` with the server arguments below plus `extra_args`, under this
+        process's environment changed by `env` (a None value removes the variable)."""
         self.port = free_port()
         self.log_path = log_path
         server_env = dict(os.environ)
@@ -232,8 +231,7 @@ class Server:
             else:
                 server_env[name] = value
         self.args = [
-            *python,
-            *module_args,
+            *launcher,
             "--model-path", str(model),
             "--device", "cpu",
             "--host", HOST,

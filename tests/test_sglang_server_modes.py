@@ -56,8 +56,7 @@ def test_a_hook_sglang_fails_to_apply_stops_start_up_naming_it(tmp_path_factory)
         tmp_path_factory,
         "missing_hook",
         PLUGIN_ENV,
-        python=(sys.executable, "-c", _MISSING_HOOK_LAUNCHER, COMPUTE_LOGPROBS_TARGET),
-        module_args=(),
+        launcher=(sys.executable, "-c", _MISSING_HOOK_LAUNCHER, COMPUTE_LOGPROBS_TARGET),
     )
     try:
         assert server.wait_exit() != 0
