@@ -8,7 +8,14 @@
 # torch comes first and pinned: SGLang 0.5.23 pins torch 2.14.1 (a CUDA build that runs on CPU)
 # and its config package needs the matching torchvision. Every install after it runs under
 # .ci/test-constraints.txt (those two pins), so no dependency can pull another torch; nothing is
-# installed with --no-deps, and `pip check` is clean.
+# installed with --no-deps.
+#
+# One dependency is taken out again: PyPI's `kernels` (the Hugging Face kernel hub, which SGLang
+# imports only in its FlashAttention-3 GPU path). It registers a setuptools `egg_info.writers`
+# entry point, `kernels.lockfile`, which this checkout's own `kernels/` folder shadows whenever
+# setuptools runs from the checkout without build isolation (tests/test_install.py builds a wheel
+# so), and the build then fails with "No module named 'kernels.lockfile'". `pip check` must
+# report nothing but that removal.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if ! python -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
@@ -31,5 +38,10 @@ constraints="$here/test-constraints.txt"
 python -m pip install -q -c "$constraints" torch torchvision
 python -m pip install -q -c "$constraints" sglang==0.5.23
 python -m pip install -q -c "$constraints" -e "$here/..[test,bench]"
-python -m pip check
+python -m pip uninstall -q -y kernels
+broken="$(python -m pip check | grep -vx "sglang 0.5.23 requires kernels, which is not installed." || true)"
+if [[ -n "$broken" ]]; then
+    echo "install-test-deps.sh: pip check: $broken" >&2
+    exit 1
+fi
 python -c "import torch; assert torch.__version__.startswith('2.14.1'), torch.__version__"
