@@ -10,12 +10,17 @@
 # .ci/test-constraints.txt (those two pins), so no dependency can pull another torch; nothing is
 # installed with --no-deps.
 #
-# One dependency is taken out again: PyPI's `kernels` (the Hugging Face kernel hub, which SGLang
-# imports only in its FlashAttention-3 GPU path). It registers a setuptools `egg_info.writers`
-# entry point, `kernels.lockfile`, which this checkout's own `kernels/` folder shadows whenever
-# setuptools runs from the checkout without build isolation (tests/test_install.py builds a wheel
-# so), and the build then fails with "No module named 'kernels.lockfile'". `pip check` must
-# report nothing but that removal.
+# Two of SGLang's GPU-only dependencies are taken out again (SGLang's CPU server runs without them,
+# tests/test_sglang_server*.py):
+# - PyPI's `kernels` (the Hugging Face kernel hub; SGLang imports it only in its FlashAttention-3
+#   path). It registers a setuptools `egg_info.writers` entry point, `kernels.lockfile`, which
+#   this checkout's own `kernels/` folder shadows whenever setuptools runs from the checkout
+#   without build isolation (tests/test_install.py builds a wheel so): "No module named
+#   'kernels.lockfile'".
+# - `sgl-flash-mla`: megatron-core imports `flash_mla` when present and catches only ImportError,
+#   but without a CUDA driver its library load raises OSError, so every megatron-core model import
+#   (the slime tests) fails.
+# `pip check` must report nothing but these two.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if ! python -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
@@ -38,8 +43,10 @@ constraints="$here/test-constraints.txt"
 python -m pip install -q -c "$constraints" torch torchvision
 python -m pip install -q -c "$constraints" sglang==0.5.23
 python -m pip install -q -c "$constraints" -e "$here/..[test,bench]"
-python -m pip uninstall -q -y kernels
-broken="$(python -m pip check | grep -vx "sglang 0.5.23 requires kernels, which is not installed." || true)"
+removed=(kernels sgl-flash-mla)
+python -m pip uninstall -q -y "${removed[@]}"
+broken="$(python -m pip check | grep -vxF -e "sglang 0.5.23 requires kernels, which is not installed." \
+    -e "sglang 0.5.23 requires sgl-flash-mla, which is not installed." || true)"
 if [[ -n "$broken" ]]; then
     echo "install-test-deps.sh: pip check: $broken" >&2
     exit 1
