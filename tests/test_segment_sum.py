@@ -209,8 +209,9 @@ def test_bad_input_raises_value_error_naming_it(overrides, message):
         segment_sum(**args)
 
 
-def test_validation_can_be_switched_off_for_values_not_shapes():
-    out = segment_sum(VALUES, with_value(MASK.float(), 0, math.nan), SEGMENTS, DENOMS, validate=False)
+def test_validation_can_be_switched_off_for_values_not_shapes(device):
+    inputs = to_device((VALUES, with_value(MASK.float(), 0, math.nan), SEGMENTS, DENOMS), device)
+    out = segment_sum(*inputs, validate=False)
     assert torch.isnan(out).all()
     with pytest.raises(ValueError, match="mask must have N = 5 entries"):
         segment_sum(VALUES, MASK[:4], SEGMENTS, DENOMS, validate=False)
