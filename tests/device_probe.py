@@ -76,8 +76,9 @@ class DeviceProbe(TorchFunctionMode):
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is on the probed device."""
-        if not self.emulated:
-            return tensor.device == self.device
+        if not self.emulated:  # torch.device("cuda") stands for any index
+            on = tensor.device
+            return on.type == self.device.type and self.device.index in (None, on.index)
         reference = self._on_stand_in.get(id(tensor))
         return reference is not None and reference() is tensor
 
