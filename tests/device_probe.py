@@ -109,9 +109,11 @@ class DeviceProbe(TorchFunctionMode):
 
     def _move(self, func, args, kwargs):
         source, target = args[0], self._target(func, args, kwargs)
-        if target == STAND_IN:
-            swap = lambda a: CPU if _is_device(a) or isinstance(a, torch.Tensor) else a  # noqa: E731
-            result = func(source, *map(swap, args[1:]), **{k: swap(v) for k, v in kwargs.items()})
+        if target == STAND_IN:  # the same call with CPU in place of the target
+            def on_cpu(value):
+                return CPU if _is_device(value) or isinstance(value, torch.Tensor) else value
+
+            result = func(source, *map(on_cpu, args[1:]), **{k: on_cpu(v) for k, v in kwargs.items()})
             if result is source and not self.holds(source):
                 result = source.clone()  # a move makes a new tensor
             self._put_on_stand_in(result)
