@@ -165,6 +165,7 @@ def _op_inputs(gen):
     ids = to_device(torch.randint(0, 70, (3, 2), generator=gen))
     rows = to_device(torch.tensor([4, 0, 2]))
     per_row, per_id = to_device(torch.randn(3, generator=gen)), to_device(torch.randn(3, 2, generator=gen))
+    softmax_state = to_device(torch.randn(3, 3, generator=gen))
     hidden = to_device(torch.randn(5, 8, generator=gen, requires_grad=True))
     weight = to_device(torch.randn(70, 8, generator=gen, requires_grad=True))
     values = to_device(torch.randn(6, 2, generator=gen, requires_grad=True))
@@ -174,12 +175,12 @@ def _op_inputs(gen):
         "token_stats": (token_stats_op, (logits, ids, rows, 0.7, True, 0, None, False)),
         "token_stats_backward": (
             token_stats_backward_op,
-            (torch.empty_like(logits), logits.detach(), ids, rows, per_row, per_row, per_id, per_row, per_id, 0, 0.7),
+            (torch.empty_like(logits), logits.detach(), ids, rows, softmax_state, per_id, per_row, per_id, 0, 0.7),
         ),
         "linear_token_stats": (linear_token_stats_op, (hidden, weight, ids, rows, 0.7, True, 0, None, 2)),
         "linear_token_stats_backward": (
             linear_token_stats_backward_op,
-            (hidden.detach(), weight.detach(), ids, rows, per_row, per_row, per_id, per_row, per_id, 0.7, 0, 2, True, True),
+            (hidden.detach(), weight.detach(), ids, rows, softmax_state, per_id, per_row, per_id, 0.7, 0, 2, True, True),
         ),
         "segment_sum": (segment_sum_op, (values, mask, segments, denominators)),
         "segment_sum_backward": (segment_sum_backward_op, (to_device(torch.randn(2, generator=gen)), mask, segments, denominators, torch.float32)),
