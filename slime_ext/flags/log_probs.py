@@ -8,26 +8,18 @@ gives a byte-identical pg_loss: the A/B baseline of an aggregation change. Refus
 the fused kernel: the package's own losses (they call it themselves) and the fused LM head.
 """
 
+from . import Switch
 from .lm_head import CUSTOM_LOSS_PATHS, FLAG as LM_HEAD_FLAG, enabled as lm_head_enabled
 
 FLAG = "--fusedrl-keep-slime-log-probs"
-
-
-def enabled(args) -> bool:
-    """Whether slime's args ask to keep slime's own log-prob path."""
-    return bool(getattr(args, "fusedrl_keep_slime_log_probs", False))
-
-
-def add_arguments(parser):
-    """Register --fusedrl-keep-slime-log-probs on slime's parser."""
-    parser.add_argument(
-        FLAG,
-        action="store_true",
-        help="Keep slime's own log-prob and entropy computation (the init hook does not put it on the fused "
-        "kernel): with slime's policy_loss and the default --loss-aggregation sample_mean, pg_loss is "
-        "byte-identical to plain slime's. Not with fusedrl's losses or --fusedrl-fused-lm-head.",
-    )
-    return parser
+SWITCH = Switch(
+    FLAG,
+    help="Keep slime's own log-prob and entropy computation (the init hook does not put it on the fused "
+    "kernel): with slime's policy_loss and the default --loss-aggregation sample_mean, pg_loss is "
+    "byte-identical to plain slime's. Not with fusedrl's losses or --fusedrl-fused-lm-head.",
+)
+enabled = SWITCH.enabled  # whether slime's args ask to keep slime's own log-prob path
+add_arguments = SWITCH.add_arguments  # register --fusedrl-keep-slime-log-probs on slime's parser
 
 
 def validate_args(args) -> None:
