@@ -11,7 +11,9 @@ slime's flags besides its own.
 The package's losses and hooks also run inside slime's trainer when it was started by slime's
 own `train.py` (the flags then never reached slime's args), so each calls `check_at_first_use`
 on its first call: the same checks, and a ValueError naming the flag wherever the startup checks
-would have had to change something slime has already read.
+would have had to change something slime has already read. The init hook also refuses the
+package's flags it finds on its process's command line but not on slime's args
+(`refuse_dropped_flags`).
 """
 
 import argparse
