@@ -168,6 +168,7 @@ def _op_inputs(gen, device):
     ids = torch.randint(0, 70, (3, 2), generator=gen).to(device)
     rows = torch.tensor([4, 0, 2], device=device)
     per_row, per_id = torch.randn(3, generator=gen).to(device), torch.randn(3, 2, generator=gen).to(device)
+    softmax_state = torch.randn(3, 3, generator=gen).to(device)
     hidden = leaf(5, 8)
     weight = leaf(70, 8)
     values = leaf(6, 2)
@@ -177,12 +178,12 @@ def _op_inputs(gen, device):
         "token_stats": (token_stats_op, (logits, ids, rows, 0.7, True, 0, None, False)),
         "token_stats_backward": (
             token_stats_backward_op,
-            (torch.empty_like(logits), logits.detach(), ids, rows, per_row, per_row, per_id, per_row, per_id, 0, 0.7),
+            (torch.empty_like(logits), logits.detach(), ids, rows, softmax_state, per_id, per_row, per_id, 0, 0.7),
         ),
         "linear_token_stats": (linear_token_stats_op, (hidden, weight, ids, rows, 0.7, True, 0, None, 2)),
         "linear_token_stats_backward": (
             linear_token_stats_backward_op,
-            (hidden.detach(), weight.detach(), ids, rows, per_row, per_row, per_id, per_row, per_id, 0.7, 0, 2, True, True),
+            (hidden.detach(), weight.detach(), ids, rows, softmax_state, per_id, per_row, per_id, 0.7, 0, 2, True, True),
         ),
         "segment_sum": (segment_sum_op, (values, mask, segments, denominators)),
         "segment_sum_backward": (segment_sum_backward_op, (torch.randn(2, generator=gen).to(device), mask, segments, denominators, torch.float32)),

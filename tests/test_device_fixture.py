@@ -20,6 +20,7 @@ import test_linear_token_stats
 import test_segment_sum
 import test_token_stats
 import test_token_stats_masked
+import test_token_stats_scale
 import torch
 from device import DEVICE, ON_GPU
 from device_probe import CPU, STAND_IN, DeviceProbe
@@ -33,10 +34,12 @@ MODULES = {  # module: every parametrization (else the first that runs a kernel)
     test_linear_token_stats: True,
     test_token_stats: False,
     test_token_stats_masked: False,
+    test_token_stats_scale: False,
     test_segment_sum: False,
 }
 NOT_PROBED = {
     "test_tp_rank_with_an_all_minus_inf_shard": "launches the kernels through the host functions, not the ops",
+    "test_two_rank_combine_fp32_no_worse_than_eager": "launches the kernels through the host functions, not the ops",
     "test_kernels_compile_for_hopper": "compiles for sm_90 and runs nothing (10 s)",
 }
 

@@ -170,7 +170,8 @@ def test_one_chunk_of_logits_is_alive_at_a_time(rows, device):
     hidden = hidden.to(device).requires_grad_(True)
     weight = weight.to(device).requires_grad_(True)
     chunk_logits = chunk * vocab * 4
-    bookkeeping = 16 * selected * (3 + num_ids) * 4 + 2 * chunk * width * 4
+    # per row: the partials and the float64 combine's temporaries; per chunk: the gathered rows
+    bookkeeping = 16 * selected * (3 + num_ids) * 8 + 2 * chunk * width * 4
     with TensorTally() as tally:
         stats = linear_token_stats(hidden, weight, ids, rows=rows, with_entropy=True, chunk_rows=chunk)
         forward_peak = tally.peak()

@@ -25,12 +25,12 @@ def test_host_functions_compose_to_token_stats(device):
     (expected_grad,) = torch.autograd.grad(sum((t * g).sum() for t, g in zip(stats, grads)), logits_leaf)
 
     partials = row_partials(logits, ids, rows, 0, tau, True)
-    lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, resolve_tp()))
-    assert torch.equal(scores - lse[:, None], stats.logp)
+    logp, entropy, scores, softmax_state = combine_partials(all_rank_partials(partials, resolve_tp()), tau)
+    assert torch.equal(logp, stats.logp)
     assert torch.equal(entropy, stats.entropy) and torch.equal(scores, stats.scores)
 
     grad_out = torch.full_like(logits, float("nan"))  # every element must be written
-    returned = logits_grad(grad_out, logits, ids, rows, lse, mean_z, grads[0], grads[1], grads[2], 0, tau)
+    returned = logits_grad(grad_out, logits, ids, rows, softmax_state, grads[0], grads[1], grads[2], 0, tau)
     assert returned is grad_out
     assert torch.equal(grad_out, expected_grad)
     assert torch.equal(grad_out[[1, 2, 4, 5, 6, 9]].cpu(), torch.zeros(6, 999))
