@@ -5,10 +5,14 @@ package of that name that transformers probes for), `slime_ext/` as `fusedrl.sli
 `sglang_plugin/` as `fusedrl.sglang_plugin`.
 
 triton is a requirement on Linux, where its wheels exist: a CUDA build of torch brings it anyway
-(pinned to the matching version, which `>=3.1` accepts), and a CPU-only torch does not, yet CPU
-tensors need it to run the kernels through the Triton interpreter. triton itself requires no torch,
-so it never replaces the torch already installed. Elsewhere the package runs its float64 eager
-reference on CPU.
+(pinned to the matching version), and a CPU-only torch does not, yet CPU tensors need it to run the
+kernels through the Triton interpreter. triton itself requires no torch, so it never replaces the
+torch already installed. Elsewhere the package runs its float64 eager reference on CPU.
+
+Supported Triton: 3.6 through the newest (CI runs the kernel tests, interpreted and compiled for
+sm_90, on 3.6.0, on the 3.8.0 that torch 2.14.1 pins, and on the newest; .ci/triton-matrix). The
+floor was 3.1 until the kernels were tested on a range; nothing before 3.6 is tested. Triton 3.6's
+interpreter (not its compiler) needs numpy < 2.4, which the package checks when it interprets.
 """
 
 from setuptools import find_packages, setup
@@ -40,7 +44,7 @@ setup(
     python_requires=">=3.10",
     packages=list(SUBPACKAGES),
     package_dir=SUBPACKAGES,
-    install_requires=["torch>=2.4", "numpy", 'triton>=3.1; platform_system == "Linux"'],
+    install_requires=["torch>=2.4", "numpy", 'triton>=3.6; platform_system == "Linux"'],
     extras_require={
         "test": [
             "megatron-core>=0.12",

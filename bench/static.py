@@ -4,9 +4,11 @@ Each variant is compiled for sm_90 from the shipped host functions at production
 (bench/static_launches.py, bench/static_compile.py) and its SASS read (bench/static_sass.py).
 Reported per kernel: registers, local memory (spills), shared memory, CTAs per SM and occupancy,
 and per element of the main loop: instructions, MUFU (ex2/lg2), barriers and shuffles; the widest
-global load and store; and the issue-bound ceiling, the bandwidth at which the SM's instruction
-issue (4 warp-instructions per clock) runs out, next to the 4.3 TB/s a device-to-device copy
-reaches on an H200. A kernel under that line cannot be memory-bound.
+global load and store; and the ceiling, the bandwidth at which the SM runs out of either
+instruction issue (4 warp-instructions per clock) or its ex2/lg2 unit (16 lanes per clock, a
+quarter warp-instruction per clock), next to the 4.3 TB/s a device-to-device copy reaches on an
+H200. A kernel under that line cannot be memory-bound. Each row names the Triton it was compiled
+with: layouts, and so the counts, differ between versions.
 """
 
 import csv
@@ -21,6 +23,7 @@ from typing import NamedTuple
 SMS = 132
 CLOCK_HZ = 1.98e9
 ISSUE_PER_CLOCK = 4
+MUFU_LANES_PER_CLOCK = 16  # the ex2/lg2 unit: 16 lanes per SM per clock (sm_90)
 COPY_TBPS = 4.3
 # Per-SM limits that bound occupancy.
 REGISTERS_PER_SM = 65536
@@ -92,13 +95,23 @@ def unrolled_trips(record: dict) -> int:
     """Source-loop trips per trip of the SASS main loop (the compiler's unroll factor).
 
     The kernel's first tensor argument is the streamed one: its loads are the loop's widest, and
-    one source trip loads BLOCK / threads of its elements per thread.
+    one source trip loads `block_elements` (the launched tile: the product of its BLOCK*
+    constexprs) / threads of its elements per thread.
     """
     loop = record["loop"]
     if not loop["found_loop"] or loop["widest_load"] == 0:
         return 1
     per_trip_bits = record["block_elements"] / (32 * record["num_warps"]) * record["stream_bits"]
     return max(1, round(loop["widest_loads"] * loop["widest_load"] / per_trip_bits))
+
+
+def ceilings(instructions_per_element: float, mufu_per_element: float, bytes_per_element: float) -> dict:
+    """TB/s at which instruction issue and the ex2/lg2 unit run out, the lower of the two, and
+    which one that is."""
+    lanes = SMS * CLOCK_HZ
+    issue = lanes * ISSUE_PER_CLOCK * 32 / instructions_per_element * bytes_per_element / 1e12
+    mufu = lanes * MUFU_LANES_PER_CLOCK / mufu_per_element * bytes_per_element / 1e12 if mufu_per_element else float("inf")
+    return dict(issue_tbps=issue, mufu_tbps=mufu, ceiling_tbps=min(issue, mufu), bound="issue" if issue <= mufu else "ex2")
 
 
 def cost(record: dict) -> dict:
@@ -108,13 +121,14 @@ def cost(record: dict) -> dict:
     shared = max(resources["shared"], record["dynamic_shared"])
     ctas = ctas_per_sm(resources["registers"], record["num_warps"], shared)
     per_element = loop["instructions"] / per_thread
+    mufu_per_element = loop["mufu"] / per_thread
     bytes_per_element = (loop["load_bits"] + loop["store_bits"]) / 8 / per_thread
-    elements_per_second = SMS * CLOCK_HZ * ISSUE_PER_CLOCK * 32 / per_element
-    ceiling = elements_per_second * bytes_per_element / 1e12
+    bounds = ceilings(per_element, mufu_per_element, bytes_per_element)
     op, phase = (record["label"].split() + ["", ""])[:2]  # "token_stats forward bf16 ..."
     return dict(
         variant=record["label"],
         kernel=record["kernel"],
+        triton=record["triton"],
         op=op,
         phase={"forward": "fwd", "backward": "bwd"}.get(phase, ""),
         dtype=record["kwargs"].get("dtype", ""),
@@ -128,15 +142,16 @@ def cost(record: dict) -> dict:
         occupancy=ctas * record["num_warps"] / MAX_WARPS_PER_SM,
         loop=loop["found_loop"],
         unrolled=unrolled_trips(record),
+        elements_per_thread=per_thread,
         instructions_per_element=per_element,
-        mufu_per_element=loop["mufu"] / per_thread,
+        mufu_per_element=mufu_per_element,
         barriers_per_element=loop["barriers"] / per_thread,
         shuffles_per_element=loop["shuffles"] / per_thread,
         widest_load_bits=loop["widest_load"],
         widest_store_bits=loop["widest_store"],
         bytes_per_element=bytes_per_element,
-        ceiling_tbps=ceiling,
-        ceiling_over_copy=ceiling / COPY_TBPS,
+        **bounds,
+        ceiling_over_copy=bounds["ceiling_tbps"] / COPY_TBPS,
     )
 
 
@@ -144,9 +159,9 @@ COLUMNS = [
     ("variant", "{}", 46), ("kernel", "{}", 30), ("registers", "{}", 4), ("local_bytes", "{}", 5),
     ("occupancy", "{:.1%}", 6), ("instructions_per_element", "{:.1f}", 5), ("mufu_per_element", "{:.2f}", 5),
     ("barriers_per_element", "{:.3f}", 6), ("shuffles_per_element", "{:.2f}", 5),
-    ("widest_load_bits", "{}", 4), ("widest_store_bits", "{}", 4), ("ceiling_tbps", "{:.2f}", 6),
+    ("widest_load_bits", "{}", 4), ("widest_store_bits", "{}", 4), ("ceiling_tbps", "{:.2f}", 6), ("bound", "{}", 5),
 ]  # fmt: skip
-HEADERS = ["variant", "kernel", "regs", "local", "occup", "ins/el", "mufu", "bar/el", "shfl", "ld", "st", "TB/s"]
+HEADERS = ["variant", "kernel", "regs", "local", "occup", "ins/el", "mufu", "bar/el", "shfl", "ld", "st", "TB/s", "bound"]
 
 
 def table(rows) -> str:
@@ -155,8 +170,12 @@ def table(rows) -> str:
     for row in rows:
         cells = [fmt.format(row[key]) for key, fmt, _ in COLUMNS]
         lines.append("  ".join(f"{cell:>{w}}" if i > 1 else f"{cell:<{w}}" for i, (cell, (_, _, w)) in enumerate(zip(cells, COLUMNS))))
-    lines.append(f"issue-bound ceiling (TB/s) vs {COPY_TBPS} TB/s device-to-device copy on an H200; "
-                 f"{SMS} SMs x {CLOCK_HZ / 1e9:.2f} GHz x {ISSUE_PER_CLOCK} warp-instructions/clock")  # fmt: skip
+    versions = sorted({row["triton"] for row in rows})
+    lines.append(f"per element of the main loop: instructions, ex2/lg2 (mufu), barriers, shuffles; ld / st: widest "
+                 f"global access in bits; TB/s: ceiling, the lower of instruction issue ({ISSUE_PER_CLOCK} "
+                 f"warp-instructions/clock) and the ex2 unit ({MUFU_LANES_PER_CLOCK} lanes/clock), {SMS} SMs x "
+                 f"{CLOCK_HZ / 1e9:.2f} GHz, vs {COPY_TBPS} TB/s device-to-device copy on an H200; "
+                 f"triton {', '.join(versions)}")  # fmt: skip
     return "\n".join(lines)
 
 

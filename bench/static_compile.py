@@ -9,6 +9,7 @@ real arguments exactly as a launch would.
 
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -63,15 +64,15 @@ def _record(label, name, num_warps, constexprs, stream_bits, kernel) -> dict:
     cubin = kernel.asm["cubin"]
     resources = parse_resources(_cuobjdump(cubin, "-res-usage"))
     counts = count_main_loop(parse_sass(_cuobjdump(cubin, "-sass")))
-    block = 1
-    for key, value in constexprs.items():
-        if key.startswith("BLOCK"):
-            block *= int(value)
+    blocks = [int(value) for key, value in constexprs.items() if key.startswith("BLOCK")]
+    if not blocks:
+        raise ValueError(f"{name}: no BLOCK* constexpr, so the elements one trip streams are unknown")
     return dict(
         label=label,
         kernel=name,
         num_warps=num_warps,
-        block_elements=block,
+        block_elements=math.prod(blocks),
+        triton=triton.__version__,
         stream_bits=stream_bits,
         constexprs={key: value if isinstance(value, (bool, int)) else str(value) for key, value in constexprs.items()},
         dynamic_shared=int(kernel.metadata.shared),

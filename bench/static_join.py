@@ -3,7 +3,7 @@ STATIC_CSV BENCH_CSV` (both written by `python -m bench` into the same results f
 
 One row per measured fused token_stats case whose variant the model covers (rows off; the model's
 production shape, not necessarily the measured one): measured GB/s, the copy GB/s measured in the
-same run, and the model's issue-bound ceiling.
+same run, and the model's ceiling (instruction issue or the ex2 unit, whichever runs out first).
 """
 
 import csv

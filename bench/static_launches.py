@@ -36,8 +36,9 @@ def token_stats_backward(dtype, ids_per_row, entropy, rows, tokens, vocab):
     logits, ids, selected = _token_inputs(dtype, ids_per_row, rows, tokens, vocab)
     num_out = ids.shape[0]
     per_row, per_id = _meta((num_out,), torch.float32), _meta(ids.shape, torch.float32)
+    softmax_state = _meta((num_out, 3), torch.float32)
     entropy_grad = per_row if entropy else None
-    logits_grad(logits, logits, ids, selected, per_row, per_row, per_id, entropy_grad, per_id, 0, 1.0)
+    logits_grad(logits, logits, ids, selected, softmax_state, per_id, entropy_grad, per_id, 0, 1.0)
 
 
 def _segment_inputs(dtype, channels, tokens):

@@ -12,6 +12,7 @@ import logging
 import os
 import warnings
 
+import numpy
 import torch
 
 try:
@@ -72,10 +73,29 @@ def uses_triton(tensor: torch.Tensor, op: str) -> bool:
             "fusedrl or triton (e.g. at the top of the notebook or on the command line)"
         )
     if interpret_now and triton_installed():
+        check_interpreter_numpy(triton.__version__, numpy.__version__)
         _announce(op, "Triton interpreter (CPU)")
         return True
     _announce(op, "float64 reference (CPU; set TRITON_INTERPRET=1 to run the kernels)", warn=True)
     return False
+
+
+def _release(version: str) -> tuple:
+    """(major, minor) of a version string such as '3.6.0' or '2.4.0rc1'."""
+    return tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in version.split(".")[:2])
+
+
+def check_interpreter_numpy(triton_version: str, numpy_version: str) -> None:
+    """Refuse, with the fix, the one pairing whose interpreter cannot run a loop: Triton before
+    3.8 converts a kernel's scalar arguments (1-element arrays) to Python ints with `int()`, which
+    numpy 2.4 refuses for arrays that are not 0-dimensional; so any `range` over an argument
+    raises deep inside the interpreter. Compiled kernels are unaffected."""
+    if _release(triton_version) < (3, 8) and _release(numpy_version) >= (2, 4):
+        raise RuntimeError(
+            f"the Triton interpreter of triton {triton_version} cannot run kernels beside numpy {numpy_version} "
+            "(it converts scalar arguments with int(), which numpy >= 2.4 refuses): "
+            "pip install 'numpy<2.4', or triton >= 3.8"
+        )
 
 
 def _announce(op: str, path: str, warn: bool = False) -> None:

@@ -166,15 +166,15 @@ def linear_token_stats_op(
     vocab_start: int,
     tp_group_name: Optional[str],
     chunk_rows: int,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The chunked forward as a torch op, opaque to torch.compile: (logp, entropy, scores, lse,
-    mean_z), as `fusedrl::token_stats` (the group travels by name, the collective runs inside)."""
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked forward as a torch op, opaque to torch.compile: (logp, entropy, scores,
+    softmax_state), as `fusedrl::token_stats` (the group travels by name, the collective runs inside)."""
     chunks = _ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
     partials = torch.cat([
         row_partials(logits, ids[slots], None, vocab_start, temperature, with_entropy)
         for slots, _, logits in chunks
     ])  # fmt: skip
-    return op_outputs(partials, tp_group_name)
+    return op_outputs(partials, tp_group_name, temperature)
 
 
 @linear_token_stats_op.register_fake
@@ -188,8 +188,7 @@ def linear_token_stats_backward_op(
     weight: torch.Tensor,
     ids: torch.Tensor,
     rows: Optional[torch.Tensor],
-    lse: torch.Tensor,
-    mean_z: torch.Tensor,
+    softmax_state: torch.Tensor,
     logp_grad: Optional[torch.Tensor],
     entropy_grad: Optional[torch.Tensor],
     scores_grad: Optional[torch.Tensor],
@@ -208,7 +207,7 @@ def linear_token_stats_backward_op(
     row_grads = None if rows is None or not wants_hidden else torch.empty_like(chunks.gathered)
     for slots, rows_in, logits in chunks:
         grad_logits = logits_grad(
-            logits, logits, ids[slots], None, lse[slots], mean_z[slots], _rows_of(logp_grad, slots),
+            logits, logits, ids[slots], None, softmax_state[slots], _rows_of(logp_grad, slots),
             _rows_of(entropy_grad, slots), _rows_of(scores_grad, slots), vocab_start, temperature,
         )  # fmt: skip
         if wants_hidden and rows is None:
@@ -222,7 +221,7 @@ def linear_token_stats_backward_op(
 
 
 @linear_token_stats_backward_op.register_fake
-def _linear_token_stats_backward_fake(hidden, weight, ids, rows, lse, mean_z, logp_grad, entropy_grad, scores_grad,
+def _linear_token_stats_backward_fake(hidden, weight, ids, rows, softmax_state, logp_grad, entropy_grad, scores_grad,
                                       temperature, vocab_start, chunk_rows, wants_hidden, wants_weight):  # fmt: skip
     return (
         hidden.new_empty(hidden.shape if wants_hidden else (0,)),
@@ -232,18 +231,17 @@ def _linear_token_stats_backward_fake(hidden, weight, ids, rows, lse, mean_z, lo
 
 def _linear_token_stats_setup_context(ctx, inputs, output):
     hidden, weight, ids, rows, temperature, with_entropy, vocab_start, _, chunk_rows = inputs
-    _, _, _, lse, mean_z = output
-    ctx.save_for_backward(hidden, weight, ids, rows, lse, mean_z)
+    ctx.save_for_backward(hidden, weight, ids, rows, output[3])
     ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not a zeros fill
     ctx.temperature, ctx.with_entropy, ctx.vocab_start, ctx.chunk_rows = temperature, with_entropy, vocab_start, chunk_rows
 
 
-def _linear_token_stats_backward(ctx, logp_grad, entropy_grad, scores_grad, lse_grad, mean_z_grad):
-    del lse_grad, mean_z_grad  # internal outputs, saved for this backward
-    hidden, weight, ids, rows, lse, mean_z = ctx.saved_tensors
+def _linear_token_stats_backward(ctx, logp_grad, entropy_grad, scores_grad, state_grad):
+    del state_grad  # an internal output, saved for this backward
+    hidden, weight, ids, rows, softmax_state = ctx.saved_tensors
     wants_hidden, wants_weight = ctx.needs_input_grad[:2]
     grad_hidden, grad_weight = linear_token_stats_backward_op(
-        hidden, weight, ids, rows, lse, mean_z, logp_grad, entropy_grad if ctx.with_entropy else None,
+        hidden, weight, ids, rows, softmax_state, logp_grad, entropy_grad if ctx.with_entropy else None,
         scores_grad, ctx.temperature, ctx.vocab_start, ctx.chunk_rows, wants_hidden, wants_weight,
     )  # fmt: skip
     return (

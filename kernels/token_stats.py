@@ -1,15 +1,21 @@
 """Fused per-token statistics over vocabulary-parallel logits: log-probs of J ids, entropy, scores.
 
 Why two kernels and one collective. The forward streams each row once with an online softmax and
-emits `3 + J` per-row partials (in log2 units: running max `m`, rescaled exp-sum `s`, rescaled
-exp-weighted centered-logit sum `u`; then the J gathered tempered logits). Under tensor
-parallelism those partials are all-gathered once (`[tp, N, 3 + J]` floats, nothing of size V) and
-combined locally, so tp = 1 is the same code without the collective. Every loss in scope depends
-on a row only through `logp[:, j]` and `entropy`, so the backward is one more streaming pass that
-writes `dz' = sum_j c_j e_{id_j} + p * (-G - g_H (z' - E_p[z']))` (see docs/math.md) from the
-saved lse and `E_p[z']`: no collective, each gradient element rounded once from fp32 (a bf16
+emits `3 + J` per-row partials (the raw row max `m`, the exp-sum `s` and exp-weighted centered sum
+`u` around it in log2 units; then the J gathered raw logits). Under tensor parallelism those
+partials are all-gathered once (`[tp, N, 3 + J]` floats, nothing of size V) and combined locally,
+so tp = 1 is the same code without the collective. Every loss in scope depends on a row only
+through `logp[:, j]` and `entropy`, so the backward is one more streaming pass that writes
+`dz' = sum_j c_j e_{id_j} + p * (-G - g_H (z' - E_p[z']))` (see docs/math.md) from the saved
+per-row softmax state: no collective, each gradient element rounded once from fp32 (a bf16
 read-modify-write of an id column would lose its one-hot term), and the softmax term skipped for
 rows whose coefficients vanish (a purely centered score on a fresh token).
+
+Why everything is relative to the row max. Every exponent is formed from a raw difference to the
+row max, `(x - m) log2(e) / T`, exact near the max, and the saved state is (m, log2 of the
+exp-sum, E_p[x - m] / T): small numbers. A kernel that forms `x log2(e) / T - lse` instead loses
+`|lse| 2^-24` in every probability, which at low temperature (|logits| / T in the hundreds) is 50x
+eager PyTorch's fp32 error (tests/test_token_stats_scale.py).
 
 Layers: the Triton kernels; their host launches (`row_partials`, `logits_grad`), which allocate
 and launch; the torch.library ops `fusedrl::token_stats` and `fusedrl::token_stats_backward` over
@@ -31,7 +37,7 @@ from ._dispatch import tl, triton, uses_triton
 from ._tp import group_name, resolve_tp, tp_from_group_name
 from .reference import token_stats_reference
 
-LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in log2 units (ex2 is the hardware exp)
+LOG2E = 1.4426950408889634  # the kernels work in log2 units (ex2 is the hardware exp)
 LN2 = 0.6931471805599453  # back to natural units, once per row on the host
 # -inf logits are raised to FLOOR where they multiply their probability of 0, so the product is 0,
 # not 0 * -inf = NaN; FLOOR is far enough from fp32's limit that coefficients up to 1e20 keep the
@@ -40,44 +46,98 @@ FLOOR = tl.constexpr(-1e18)
 
 
 class _Tile(NamedTuple):
-    """How one program streams a row: [ROWS_PER_TILE, THREADS, VEC] elements per trip, VEC
-    contiguous columns per thread (one 128-bit access), so reductions over axes 0 and 2 stay in
-    a thread's registers and only the final per-thread combine crosses threads."""
+    """How one program streams a row: [SLOTS, VEC] elements per trip, VEC contiguous columns per
+    slot (one 128-bit access) and SLOTS = slots_per_thread * threads, so a thread owns
+    slots_per_thread slots THREADS * VEC columns apart and every reduction over VEC stays in its
+    registers. A 2-D tile whose only contiguous axis is the last leaves the compiler one layout
+    (each thread a row of VEC, threads along the slots) on every Triton version."""
 
-    rows_per_tile: int
+    slots_per_thread: int
     threads: int
     vec: int
     num_warps: int
+
+    @property
+    def slots(self) -> int:
+        return self.slots_per_thread * self.threads
+
+    @property
+    def block(self) -> int:
+        return self.slots * self.vec
+
+    def full_trips_end(self, vocab_local: int) -> int:
+        """Where the unmasked trips end: the kernels mask only the one partial trip after it
+        (computed here, not in the kernel: some interpreters cannot loop to a computed bound)."""
+        return vocab_local - vocab_local % self.block
 
 
 def tile_for(vocab_local: int, element_size: int) -> _Tile:
     """The launch shape for a row of vocab_local columns of element_size bytes.
 
-    16 elements per thread per trip and 8 warps at large V. Measured with the static model at
-    V = 151936, J = 9, entropy on (`python -m bench --static` with the tile patched): 8 per
-    thread costs 10.4-10.8 instructions per element forward (16: 9.9-10.1); 32 per thread needs
-    48-63 registers, 50-62.5% occupancy, for 0.3-0.5 fewer instructions; 4 warps instead of 8
-    changes nothing beyond 0.2. Small rows take fewer warps so a trip is not mostly mask.
+    16 elements per thread per trip and 8 warps at large V (`python -m bench --static` at
+    V = 151936: 8 per thread costs more loop overhead per element, 32 per thread more registers
+    and less occupancy). Small rows take fewer warps so a trip is not mostly mask.
     """
     vec = 16 // element_size
-    rows_per_tile = max(1, 16 // vec)
+    slots_per_thread = max(1, 16 // vec)
     num_warps = 8
-    while num_warps > 1 and rows_per_tile * 32 * num_warps * vec > 2 * triton.next_power_of_2(vocab_local):
+    while num_warps > 1 and slots_per_thread * 32 * num_warps * vec > 2 * triton.next_power_of_2(vocab_local):
         num_warps //= 2
-    return _Tile(rows_per_tile, 32 * num_warps, vec, num_warps)
+    return _Tile(slots_per_thread, 32 * num_warps, vec, num_warps)
+
+
+def kernel_scale(temperature: float) -> float:
+    """log2(e) / temperature: the one factor from raw logit differences to log2 units, shared by
+    the kernels (as fp32) and the host combine, so both round it alike."""
+    return LOG2E / temperature
 
 
 @triton.jit
-def _tile_offsets(ROWS_PER_TILE: tl.constexpr, THREADS: tl.constexpr, VEC: tl.constexpr):
-    """Column offsets of one trip's [ROWS_PER_TILE, THREADS, VEC] tile."""
-    tile_row = tl.arange(0, ROWS_PER_TILE)[:, None, None] * (THREADS * VEC)
-    return tile_row + tl.arange(0, THREADS)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]
+def _tile_offsets(SLOTS: tl.constexpr, VEC: tl.constexpr):
+    """Column offsets of one trip's [SLOTS, VEC] tile."""
+    return tl.arange(0, SLOTS)[:, None] * VEC + tl.arange(0, VEC)[None, :]
 
 
 @triton.jit
-def _thread_sum(x):
-    """Sum over the tile's in-thread axes: one value per thread, no cross-thread traffic."""
-    return tl.sum(tl.sum(x, axis=2), axis=0)
+def _load_tile(row_ptr, cols, vocab_local, other, MASKED: tl.constexpr):
+    """One trip's logits as fp32; only the row's last, partial trip is masked."""
+    if MASKED:
+        x = tl.load(row_ptr + cols, mask=cols < vocab_local, other=other, eviction_policy="evict_first")
+    else:
+        x = tl.load(row_ptr + cols, eviction_policy="evict_first")
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rebase(running_max, reference, exp_sum, centered_sum, scale, WITH_ENTROPY: tl.constexpr):
+    """Per-slot sums around `reference` instead of `running_max` (log2 units): the exp-sum scales
+    by 2^((m - r) s) and every centered term moves by (m - r) s. An empty slot (sum 0, max -inf)
+    moves by 0, not 0 * -inf."""
+    rescale = tl.exp2((running_max - reference) * scale)
+    if WITH_ENTROPY:
+        moved = exp_sum * ((tl.where(exp_sum == 0.0, reference, running_max) - reference) * scale)
+        centered_sum = rescale * (centered_sum + moved)
+    return exp_sum * rescale, centered_sum
+
+
+@triton.jit
+def _online_softmax_step(x, running_max, exp_sum, centered_sum, scale, WITH_ENTROPY: tl.constexpr):
+    """One trip of the per-slot online softmax: x [SLOTS, VEC] raw logits in.
+
+    Exponents are formed from raw differences to the slot max, (x - m) * s, which are exact near
+    the max, never from x * s minus a large reference, whose rounding would grow with |logits| / T.
+    """
+    new_max = tl.maximum(running_max, tl.max(x, axis=1))
+    # A slot that has seen only -inf keeps sums of 0 around any finite reference; 0 keeps
+    # -inf - -inf = NaN out of the rebase.
+    reference = tl.where(new_max == float("-inf"), 0.0, new_max)
+    exp_sum, centered_sum = _rebase(running_max, reference, exp_sum, centered_sum, scale, WITH_ENTROPY)
+    shifted = (x - reference[:, None]) * scale
+    e = tl.exp2(shifted)
+    if WITH_ENTROPY:
+        # -inf columns add e = 0 times FLOOR, not 0 * -inf.
+        centered_sum += tl.sum(e * tl.maximum(shifted, FLOOR), axis=1)
+    return new_max, exp_sum + tl.sum(e, axis=1), centered_sum
 
 
 @triton.jit
@@ -88,20 +148,21 @@ def _token_stats_fwd_kernel(
     rows_ptr,
     partials_ptr,
     vocab_local,
+    full_end,
     vocab_start,
-    inv_temperature,
+    scale,
     J: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
-    ROWS_PER_TILE: tl.constexpr,
-    THREADS: tl.constexpr,
+    SLOTS: tl.constexpr,
     VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """One program per selected row: per-thread online max / exp-sum / centered sum in log2 units,
-    one cross-thread combine after the loop, then the J gathers.
+    """One program per selected row: per-slot online max / exp-sum / centered sum, one combine
+    over the slots after the loop, then the J gathers.
 
-    Partials (log2 units, y = logit * log2(e) / temperature): running max m, s = sum 2^(y - m),
-    u = sum 2^(y - m) (y - m); then the J tempered logits (natural units).
+    Partials: the row max m of the raw logits; s = sum 2^((x - m) scale); u = sum 2^((x - m) scale)
+    (x - m) scale (log2 units); then the J raw logits at the ids (0 where another rank owns the id).
     """
     pid = tl.program_id(0).to(tl.int64)
     if HAS_ROWS:
@@ -109,59 +170,62 @@ def _token_stats_fwd_kernel(
     else:
         row = pid
     row_ptr = logits_ptr + row * stride_row
-    scale = inv_temperature * LOG2E
-    offs = _tile_offsets(ROWS_PER_TILE, THREADS, VEC)
-    BLOCK: tl.constexpr = ROWS_PER_TILE * THREADS * VEC
+    offs = _tile_offsets(SLOTS, VEC)
 
-    running_max = tl.full([THREADS], float("-inf"), tl.float32)
-    exp_sum = tl.zeros([THREADS], tl.float32)
-    centered_sum = tl.zeros([THREADS], tl.float32)
-    for start in range(0, vocab_local, BLOCK):
-        cols = start + offs
-        x = tl.load(row_ptr + cols, mask=cols < vocab_local, other=float("-inf"), eviction_policy="evict_first")
-        x = x.to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(tl.max(x, axis=2), axis=0) * scale)
-        # While a thread has seen only -inf its sums are 0 around any finite reference point;
-        # 0 keeps exp2(-inf - -inf) = NaN out of the rescale.
-        reference = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp2(running_max - reference)
-        shifted = x * scale - reference[None, :, None]
-        e = tl.exp2(shifted)
-        if WITH_ENTROPY:
-            # Moving the reference point from the old max to the new one shifts every term by
-            # (old - new); an empty sum moves by 0 and -inf columns add 0, not 0 * -inf = NaN.
-            moved = tl.where(exp_sum == 0.0, 0.0, exp_sum * (running_max - reference))
-            block_centered = _thread_sum(e * tl.maximum(shifted, FLOOR))
-            centered_sum = rescale * (centered_sum + moved) + block_centered
-        exp_sum = exp_sum * rescale + _thread_sum(e)
-        running_max = new_max
+    running_max = tl.full([SLOTS], float("-inf"), tl.float32)
+    exp_sum = tl.zeros([SLOTS], tl.float32)
+    centered_sum = tl.zeros([SLOTS], tl.float32)
+    for start in range(0, full_end, BLOCK):
+        x = _load_tile(row_ptr, start + offs, vocab_local, float("-inf"), False)
+        running_max, exp_sum, centered_sum = _online_softmax_step(
+            x, running_max, exp_sum, centered_sum, scale, WITH_ENTROPY
+        )
+    if full_end < vocab_local:
+        x = _load_tile(row_ptr, full_end + offs, vocab_local, float("-inf"), True)
+        running_max, exp_sum, centered_sum = _online_softmax_step(
+            x, running_max, exp_sum, centered_sum, scale, WITH_ENTROPY
+        )
 
     row_max = tl.max(running_max, axis=0)
     reference = tl.where(row_max == float("-inf"), 0.0, row_max)
-    weight = tl.exp2(running_max - reference)
+    exp_sum, centered_sum = _rebase(running_max, reference, exp_sum, centered_sum, scale, WITH_ENTROPY)
     out = partials_ptr + pid * (3 + J)
     tl.store(out, row_max)
-    tl.store(out + 1, tl.sum(weight * exp_sum, axis=0))
+    tl.store(out + 1, tl.sum(exp_sum, axis=0))
     if WITH_ENTROPY:
-        moved = tl.where(exp_sum == 0.0, 0.0, exp_sum * (running_max - reference))
-        tl.store(out + 2, tl.sum(weight * (centered_sum + moved), axis=0))
+        tl.store(out + 2, tl.sum(centered_sum, axis=0))
     else:
         tl.store(out + 2, 0.0)
     for j in range(J):
         local_id = tl.load(ids_ptr + pid * J + j) - vocab_start
         owned = (local_id >= 0) & (local_id < vocab_local)
-        gathered = tl.load(row_ptr + local_id, mask=owned, other=0.0).to(tl.float32)
-        tl.store(out + 3 + j, gathered * inv_temperature)
+        tl.store(out + 3 + j, tl.load(row_ptr + local_id, mask=owned, other=0.0).to(tl.float32))
 
 
 @triton.jit
-def _softmax_term(x, scale, lse2, k1, k2, WITH_ENTROPY: tl.constexpr):
-    """p * (k1 + k2 * x): the softmax part of the gradient at raw logits x (fp32), in one FFMA
-    and one ex2; -inf logits give p = 0 and a finite factor, so exactly 0."""
-    p = tl.exp2(x * scale - lse2)
+def _softmax_term(x, row_max, scale, log2_sum, k1, k2, WITH_ENTROPY: tl.constexpr):
+    """p * (k1 + k2 * (x - m)): the softmax part of the gradient at raw logits x (fp32), with
+    p = 2^((x - m) scale - log2_sum) from the raw difference to the row max (exact near the max).
+    -inf logits give p = 0 and a finite factor, so exactly 0."""
+    centered = x - row_max
     if WITH_ENTROPY:
-        return p * (tl.maximum(x, FLOOR) * k2 + k1)
+        centered = tl.maximum(centered, FLOOR)
+    p = tl.exp2(centered * scale - log2_sum)
+    if WITH_ENTROPY:
+        return p * (centered * k2 + k1)
     return p * k1
+
+
+@triton.jit
+def _write_softmax_term(grad_row_ptr, row_ptr, cols, vocab_local, row_max, scale, log2_sum, k1, k2,
+                        WITH_ENTROPY: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """One trip of the backward's streamed write."""
+    x = _load_tile(row_ptr, cols, vocab_local, float("-inf"), MASKED)  # masked lanes: p = 0
+    grad = _softmax_term(x, row_max, scale, log2_sum, k1, k2, WITH_ENTROPY).to(grad_row_ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(grad_row_ptr + cols, grad, mask=cols < vocab_local, eviction_policy="evict_first")
+    else:
+        tl.store(grad_row_ptr + cols, grad, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -175,17 +239,18 @@ def _token_stats_bwd_kernel(
     scatter_coef_ptr,
     logp_grad_sum_ptr,
     entropy_grad_ptr,
-    lse_ptr,
-    mean_z_ptr,
+    softmax_state_ptr,
     vocab_local,
+    full_end,
     vocab_start,
     inv_temperature,
+    scale,
     J: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
-    ROWS_PER_TILE: tl.constexpr,
-    THREADS: tl.constexpr,
+    SLOTS: tl.constexpr,
     VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
     J_BLOCK: tl.constexpr,
 ):
     """One program per logits row: streams the softmax term over the whole row (zeros for
@@ -199,52 +264,52 @@ def _token_stats_bwd_kernel(
     selected = slot >= 0
     safe_slot = tl.where(selected, slot, 0)
 
-    # d logits = inv_t * (sum_j c_j e_id_j - G p - g_H p (z - E_p[z])), z = x * inv_t, so the
-    # softmax part is p * (k1 + k2 * x) with the constants below.
+    # d logits = inv_t * (sum_j c_j e_id_j - G p - g_H p (z - E_p[z])), z = x * inv_t, and
+    # z - E_p[z] = (x - m) inv_t - c with c = E_p[x - m] inv_t, so the softmax part is
+    # p * (k1 + k2 (x - m)) with the constants below, none of them of the size of the logits.
+    state = softmax_state_ptr + safe_slot * 3
+    row_max = tl.load(state, mask=selected, other=0.0)
+    log2_sum = tl.load(state + 1, mask=selected, other=0.0)
     logp_grad_sum = tl.load(logp_grad_sum_ptr + safe_slot, mask=selected, other=0.0)
-    lse = tl.load(lse_ptr + safe_slot, mask=selected, other=0.0)
     k1 = -logp_grad_sum * inv_temperature
     k2 = 0.0
     entropy_grad = 0.0
     if WITH_ENTROPY:
         entropy_grad = tl.load(entropy_grad_ptr + safe_slot, mask=selected, other=0.0)
-        mean_z = tl.load(mean_z_ptr + safe_slot, mask=selected, other=0.0)
-        k1 += entropy_grad * mean_z * inv_temperature
+        centered_mean = tl.load(state + 2, mask=selected, other=0.0)
+        k1 += entropy_grad * centered_mean * inv_temperature
         k2 = -entropy_grad * inv_temperature * inv_temperature
     needs_softmax = (logp_grad_sum != 0.0) | (entropy_grad != 0.0)
-    scale = inv_temperature * LOG2E
-    lse2 = lse * LOG2E
 
     row_ptr = logits_ptr + row * stride_row
     grad_row_ptr = grad_ptr + row * stride_grad_row
-    offs = _tile_offsets(ROWS_PER_TILE, THREADS, VEC)
-    BLOCK: tl.constexpr = ROWS_PER_TILE * THREADS * VEC
+    offs = _tile_offsets(SLOTS, VEC)
     # The id columns get softmax term + one-hot coefficients, rounded once, written after the
     # streamed loop. Computed before it: an in-place backward overwrites their logits, and
     # fewer values stay live through the loop. Repeated ids: every slot of an id adds its
     # coefficient to that column (each of its slots stores the same value).
-    slots = tl.arange(0, J_BLOCK)
-    slot_ok = (slots < J) & selected
-    global_ids = tl.load(ids_ptr + safe_slot * J + slots, mask=slot_ok, other=-1)
+    id_slots = tl.arange(0, J_BLOCK)
+    slot_ok = id_slots < tl.where(selected, J, 0)
+    global_ids = tl.load(ids_ptr + safe_slot * J + id_slots, mask=slot_ok, other=-1)
     local_ids = (global_ids - vocab_start).to(tl.int32)
     owned = slot_ok & (local_ids >= 0) & (local_ids < vocab_local)
-    coefs = tl.load(scatter_coef_ptr + safe_slot * J + slots, mask=slot_ok, other=0.0)
+    coefs = tl.load(scatter_coef_ptr + safe_slot * J + id_slots, mask=slot_ok, other=0.0)
     same_id = global_ids[:, None] == global_ids[None, :]
     id_grad = tl.sum(tl.where(same_id, coefs[None, :], 0.0), axis=1) * inv_temperature
     if needs_softmax:
-        x_ids = tl.load(row_ptr + local_ids, mask=owned, other=0.0).to(tl.float32)
-        id_grad += _softmax_term(x_ids, scale, lse2, k1, k2, WITH_ENTROPY)
+        x_ids = tl.load(row_ptr + local_ids, mask=owned, other=float("-inf")).to(tl.float32)
+        id_grad += _softmax_term(x_ids, row_max, scale, log2_sum, k1, k2, WITH_ENTROPY)
 
     # The needs_softmax test sits outside the loops: each streamed loop is one straight body.
     if needs_softmax:
-        for start in range(0, vocab_local, BLOCK):
-            cols = start + offs
-            in_vocab = cols < vocab_local
-            x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            grad = _softmax_term(x, scale, lse2, k1, k2, WITH_ENTROPY)
-            tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab, eviction_policy="evict_first")
+        for start in range(0, full_end, BLOCK):
+            _write_softmax_term(grad_row_ptr, row_ptr, start + offs, vocab_local, row_max, scale, log2_sum, k1, k2,
+                                WITH_ENTROPY, False)  # fmt: skip
+        if full_end < vocab_local:
+            _write_softmax_term(grad_row_ptr, row_ptr, full_end + offs, vocab_local, row_max, scale, log2_sum, k1,
+                                k2, WITH_ENTROPY, True)  # fmt: skip
     else:
-        zeros = tl.zeros([ROWS_PER_TILE, THREADS, VEC], dtype=grad_ptr.dtype.element_ty)
+        zeros = tl.zeros([SLOTS, VEC], dtype=grad_ptr.dtype.element_ty)
         for start in range(0, vocab_local, BLOCK):
             cols = start + offs
             tl.store(grad_row_ptr + cols, zeros, mask=cols < vocab_local, eviction_policy="evict_first")
@@ -273,14 +338,15 @@ def row_partials(logits_2d, ids, rows, vocab_start, temperature, with_entropy) -
         rows if rows is not None else ids,  # any pointer: unread without HAS_ROWS
         partials,
         vocab_local,
+        tile.full_trips_end(vocab_local),
         vocab_start,
-        1.0 / temperature,
+        kernel_scale(temperature),
         J=num_ids,
         HAS_ROWS=rows is not None,
         WITH_ENTROPY=with_entropy,
-        ROWS_PER_TILE=tile.rows_per_tile,
-        THREADS=tile.threads,
+        SLOTS=tile.slots,
         VEC=tile.vec,
+        BLOCK=tile.block,
         num_warps=tile.num_warps,
     )
     return partials
@@ -295,36 +361,57 @@ def all_rank_partials(partials: torch.Tensor, tp) -> torch.Tensor:
     return torch.stack(gathered)
 
 
-def combine_partials(partials_all: torch.Tensor):
-    """(lse [N], mean_z [N], entropy [N], scores [N, J]) from all ranks' partials [tp, N, P].
+class RowStats(NamedTuple):
+    """What the forward gives per row, from all ranks' partials (`combine_partials`).
 
-    Natural-log units: `logp = scores - lse[:, None]`; mean_z is E_p[z / temperature]. A row
-    whose max is +inf or NaN has no distribution: NaN.
+    logp [N, J], entropy [N], scores [N, J]: as TokenStats (natural-log units).
+    softmax_state [N, 3]: what the backward needs, none of it of the size of the logits: the row
+        max m of the raw logits, log2 of sum 2^((x - m) log2(e) / T), and E_p[x - m] / T.
     """
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    scores: torch.Tensor
+    softmax_state: torch.Tensor
+
+
+def combine_partials(partials_all: torch.Tensor, temperature: float) -> RowStats:
+    """The rows' statistics from all ranks' partials [tp, N, P], returned in fp32.
+
+    `logp = (x_id - m) / T - log(sum exp((x - m) / T))` from raw differences to the row max, so
+    its rounding stays with the log-probability's own size, not the logits'. The combine itself
+    runs in float64 (a few floats per row), so each output is rounded to fp32 once. A row whose
+    max is +inf or NaN has no distribution: NaN.
+    """
+    scale = kernel_scale(temperature)
+    partials_all = partials_all.double()
     rank_max, rank_sum, rank_centered = partials_all[..., 0], partials_all[..., 1], partials_all[..., 2]
     row_max = rank_max.max(dim=0).values
     row_max = torch.where(row_max == float("inf"), float("nan"), row_max)
-    weight = torch.exp2(rank_max - row_max)
+    reference = torch.where(row_max == float("-inf"), 0.0, row_max)
     # A rank whose shard is all -inf has rank_sum = 0 and rank_max = -inf: its shift is 0, not NaN.
-    shift = torch.where(rank_sum == 0, 0.0, rank_sum * (rank_max - row_max))
+    shift = torch.where(rank_sum == 0, 0.0, (rank_max - reference) * scale)
+    weight = torch.exp2(shift)
     exp_sum = (weight * rank_sum).sum(dim=0)
-    centered_sum = (weight * (rank_centered + shift)).sum(dim=0)
-    log_exp_sum = torch.log2(exp_sum)
-    centered_mean = centered_sum / exp_sum
-    lse = (row_max + log_exp_sum) * LN2
-    mean_z = (row_max + centered_mean) * LN2
-    entropy = (log_exp_sum - centered_mean) * LN2
-    scores = partials_all[..., 3:].sum(dim=0)
-    return lse, mean_z, entropy, scores
+    centered_sum = (weight * (rank_centered + rank_sum * shift)).sum(dim=0)
+    log2_sum = torch.log2(exp_sum)
+    centered_mean = centered_sum / exp_sum * LN2  # E_p[x - m] / T
+    gathered = partials_all[..., 3:].sum(dim=0)
+    inv_temperature = 1.0 / temperature
+    logp = (gathered - row_max.unsqueeze(1)) * inv_temperature - (log2_sum * LN2).unsqueeze(1)
+    entropy = log2_sum * LN2 - centered_mean
+    softmax_state = torch.stack([row_max, log2_sum, centered_mean], dim=1)
+    return RowStats(*(value.float() for value in (logp, entropy, gathered * inv_temperature, softmax_state)))
 
 
 def logits_grad(
-    grad_out, logits_2d, ids, rows, lse, mean_z, logp_grad, entropy_grad, scores_grad, vocab_start, temperature
+    grad_out, logits_2d, ids, rows, softmax_state, logp_grad, entropy_grad, scores_grad, vocab_start, temperature
 ) -> torch.Tensor:
     """The backward kernel launch: writes every element of grad_out [T, V_local] and returns it.
 
-    grad_out may be `logits_2d` itself (in-place). Rows not in `rows` get zeros. `logp_grad` and
-    `scores_grad` are [N, J] (None: zero); `entropy_grad` is [N] or None (no entropy term).
+    grad_out may be `logits_2d` itself (in-place). Rows not in `rows` get zeros. `softmax_state`
+    is `combine_partials`' [N, 3]; `logp_grad` and `scores_grad` are [N, J] (None: zero);
+    `entropy_grad` is [N] or None (no entropy term).
     """
     logp_grad = _zeros_if_none(logp_grad, ids)
     scores_grad = _zeros_if_none(scores_grad, ids)
@@ -337,27 +424,29 @@ def logits_grad(
         slots[rows] = torch.arange(rows.numel(), device=rows.device)
     with_entropy = entropy_grad is not None
     tile = tile_for(vocab_local, logits_2d.element_size())
+    softmax_state = softmax_state.contiguous()
     _token_stats_bwd_kernel[(num_rows,)](
         grad_out,
         grad_out.stride(0),
         logits_2d,
         logits_2d.stride(0),
-        slots if slots is not None else lse,  # any pointer: unread without HAS_ROWS
+        slots if slots is not None else softmax_state,  # any pointer: unread without HAS_ROWS
         ids,
         (logp_grad + scores_grad).float().contiguous(),
         logp_grad.float().sum(dim=1).contiguous(),
-        entropy_grad.float().contiguous() if with_entropy else lse,
-        lse,
-        mean_z,
+        entropy_grad.float().contiguous() if with_entropy else softmax_state,
+        softmax_state,
         vocab_local,
+        tile.full_trips_end(vocab_local),
         vocab_start,
         1.0 / temperature,
+        kernel_scale(temperature),
         J=ids.shape[1],
         HAS_ROWS=rows is not None,
         WITH_ENTROPY=with_entropy,
-        ROWS_PER_TILE=tile.rows_per_tile,
-        THREADS=tile.threads,
+        SLOTS=tile.slots,
         VEC=tile.vec,
+        BLOCK=tile.block,
         J_BLOCK=triton.next_power_of_2(ids.shape[1]),
         num_warps=tile.num_warps,
     )
@@ -368,17 +457,16 @@ def _zeros_if_none(grad, like):
     return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if grad is None else grad
 
 
-def op_outputs(partials, tp_group_name):
-    """(logp, entropy, scores, lse, mean_z) of this rank's partials: the collective and the combine."""
-    lse, mean_z, entropy, scores = combine_partials(all_rank_partials(partials, tp_from_group_name(tp_group_name)))
-    return scores - lse.unsqueeze(1), entropy, scores, lse, mean_z
+def op_outputs(partials, tp_group_name, temperature):
+    """(logp, entropy, scores, softmax_state) of this rank's partials: the collective and the combine."""
+    return tuple(combine_partials(all_rank_partials(partials, tp_from_group_name(tp_group_name)), temperature))
 
 
 def op_outputs_fake(ids):
-    """What `op_outputs` returns, as metadata: [N, J] and [N] float32 tensors."""
+    """What `op_outputs` returns, as metadata: [N, J], [N], [N, J] and [N, 3] float32 tensors."""
     per_id = ids.new_empty(ids.shape, dtype=torch.float32)
     per_row = ids.new_empty(ids.shape[:1], dtype=torch.float32)
-    return per_id, per_row, torch.empty_like(per_id), torch.empty_like(per_row), torch.empty_like(per_row)
+    return per_id, per_row, torch.empty_like(per_id), ids.new_empty((ids.shape[0], 3), dtype=torch.float32)
 
 
 def op_arguments(inputs, with_entropy, tp) -> tuple:
@@ -390,7 +478,7 @@ def op_arguments(inputs, with_entropy, tp) -> tuple:
 
 def public_stats(outputs, with_entropy) -> TokenStats:
     """The caller's TokenStats from an op's outputs (entropy None when not asked for)."""
-    logp, entropy, scores, _, _ = outputs
+    logp, entropy, scores, _ = outputs
     return TokenStats(logp, entropy if with_entropy else None, scores)
 
 
@@ -408,18 +496,18 @@ def token_stats_op(
     vocab_start: int,
     tp_group_name: Optional[str],
     inplace_backward: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward as a torch op, opaque to torch.compile: (logp, entropy, scores, lse, mean_z).
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward as a torch op, opaque to torch.compile: (logp, entropy, scores, softmax_state).
 
     Inputs are checked and converted (int64 contiguous ids and rows). The tensor-parallel
     collective runs inside, on the group registered under `tp_group_name` (`ProcessGroup.group_name`,
     the way torch's functional collectives pass a group through an op schema; None: no split), so
     one op holds the whole forward and its backward needs no collective. entropy is meaningful only
-    with `with_entropy`; lse and mean_z are saved for the backward. `inplace_backward` is read by the
+    with `with_entropy`; softmax_state is saved for the backward. `inplace_backward` is read by the
     backward only.
     """
     partials = row_partials(as_2d_logits(logits), ids, rows, vocab_start, temperature, with_entropy)
-    return op_outputs(partials, tp_group_name)
+    return op_outputs(partials, tp_group_name, temperature)
 
 
 @token_stats_op.register_fake
@@ -433,8 +521,7 @@ def token_stats_backward_op(
     logits: torch.Tensor,
     ids: torch.Tensor,
     rows: Optional[torch.Tensor],
-    lse: torch.Tensor,
-    mean_z: torch.Tensor,
+    softmax_state: torch.Tensor,
     logp_grad: Optional[torch.Tensor],
     entropy_grad: Optional[torch.Tensor],
     scores_grad: Optional[torch.Tensor],
@@ -444,7 +531,7 @@ def token_stats_backward_op(
     """`logits_grad` as a torch op: writes every element of grad_out (shaped as logits; it may be
     the logits themselves, for the in-place backward). entropy_grad None: no entropy term."""
     logits_grad(
-        as_2d_logits(grad_out), as_2d_logits(logits), ids, rows, lse, mean_z,
+        as_2d_logits(grad_out), as_2d_logits(logits), ids, rows, softmax_state,
         logp_grad, entropy_grad, scores_grad, vocab_start, temperature,
     )  # fmt: skip
 
@@ -456,21 +543,20 @@ def _token_stats_backward_fake(grad_out, *args):
 
 def _token_stats_setup_context(ctx, inputs, output):
     logits, ids, rows, temperature, with_entropy, vocab_start, _, inplace_backward = inputs
-    _, _, _, lse, mean_z = output
-    ctx.save_for_backward(logits, ids, rows, lse, mean_z)
+    ctx.save_for_backward(logits, ids, rows, output[3])
     ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not a zeros fill
     ctx.temperature, ctx.with_entropy, ctx.vocab_start, ctx.inplace = temperature, with_entropy, vocab_start, inplace_backward
 
 
-def _token_stats_backward(ctx, logp_grad, entropy_grad, scores_grad, lse_grad, mean_z_grad):
+def _token_stats_backward(ctx, logp_grad, entropy_grad, scores_grad, state_grad):
     """Gradient for the logits as the caller passed them ([T, V] or [1, T, V]), so an in-place
-    backward hands back the caller's own buffer with no view-backward copy; lse and mean_z are
-    internal outputs whose gradients are ignored."""
-    del lse_grad, mean_z_grad
-    logits, ids, rows, lse, mean_z = ctx.saved_tensors
+    backward hands back the caller's own buffer with no view-backward copy; softmax_state is an
+    internal output whose gradient is ignored."""
+    del state_grad
+    logits, ids, rows, softmax_state = ctx.saved_tensors
     grad = logits if ctx.inplace else torch.empty_like(logits)
     token_stats_backward_op(
-        grad, logits, ids, rows, lse, mean_z, logp_grad, entropy_grad if ctx.with_entropy else None,
+        grad, logits, ids, rows, softmax_state, logp_grad, entropy_grad if ctx.with_entropy else None,
         scores_grad, ctx.vocab_start, ctx.temperature,
     )  # fmt: skip
     return grad, None, None, None, None, None, None, None

@@ -35,13 +35,16 @@ own --custom-pg-loss-reducer-function-path: metrics then read the same whatever 
 uses (runs with different modes stay comparable), and the regularisers keep the strength their
 coefficients were tuned for; the ScaleRL knob is the weighting of the policy-gradient term.
 
-slime's hook. `get_pg_loss_reducer` is a factory for --custom-pg-loss-reducer-function-path (slime
-calls it with total_lengths, response_lengths, loss_masks, calculate_per_token_loss and no args),
-for the modes that need no per-sample data beyond the masks: token_mean and constant. It reads
-the flags from megatron's global args, which slime's train actor sets (`set_args`) before any
-loss runs. sample_mean needs slime's `rollout_mask_sums` and prompt_mean the carried group
-denominators, neither of which the hook receives, so it refuses them. Its first call runs the
-startup checks (`arguments.check_at_first_use`), whichever way slime was started.
+slime's hook. `get_pg_loss_reducer` is a factory for --custom-pg-loss-reducer-function-path, which
+slime's own `policy_loss` calls with total_lengths, response_lengths, loss_masks and
+calculate_per_token_loss: the flag checks install it for prompt_mean and constant with
+`--loss-type policy_loss`, so those modes run on slime's own loss (GSPO, OPSM, TIS, its log-prob
+reuse) while every metric stays on slime's sample-mean reducer. It reads the flags from megatron's
+global args, which slime's train actor sets (`set_args`) before any loss runs, and prompt_mean's
+carried group denominators from the micro-batch slime's policy loss is computing, which the init
+hook publishes (`micro_batch`). sample_mean is slime's own reducer, so the hook refuses it. Its
+first call runs the startup checks (`arguments.check_at_first_use`), whichever way slime was
+started.
 
 Flags and their startup checks: `flags/aggregation.py`; the prompt_mean rollout wrapper:
 `rollout/prompt_groups.py`.
@@ -52,10 +55,10 @@ from typing import NamedTuple
 import torch
 
 from ..kernels.segment_sum import segment_sum
-from . import carry, megatron
+from . import carry, megatron, micro_batch
 from .arguments import check_at_first_use
 from .context_parallel import chunked_loss_masks, sample_denominators
-from .flags.aggregation import SAMPLE_MODES, mode_of
+from .flags.aggregation import mode_of
 
 
 class LocalTokens(NamedTuple):
@@ -127,23 +130,29 @@ def reduce_diagnostics(args, batch, values: torch.Tensor) -> torch.Tensor:
 
 
 def get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):
-    """Factory for slime's --custom-pg-loss-reducer-function-path (token_mean and constant).
+    """Factory for slime's --custom-pg-loss-reducer-function-path (prompt_mean, token_mean, constant).
 
-    Returns x -> sum over samples of the rank's masked sum of x / D_s, as slime's own reducer.
+    Returns x -> sum over samples of the rank's masked sum of x / D_s, as slime's own reducer, over
+    the masks slime hands in (its rejection-sampled ones under --use-tis). prompt_mean's D_s come
+    from the micro-batch slime's policy loss is computing (`micro_batch.current()`).
     """
     args = megatron.train_args()
     check_at_first_use(args)
     mode = mode_of(args)
-    if mode in SAMPLE_MODES:
+    if mode == "sample_mean":
         raise ValueError(
-            f"--loss-aggregation {mode} cannot run through --custom-pg-loss-reducer-function-path (it "
-            "receives no per-sample denominators); use the package's policy loss"
+            "--loss-aggregation sample_mean is slime's own pg_loss reducer: leave --custom-pg-loss-reducer-function-path unset"
         )
     if bool(calculate_per_token_loss) != (mode == "token_mean"):
         raise ValueError(
             f"--loss-aggregation {mode} got calculate_per_token_loss={calculate_per_token_loss} from slime; "
-            "start through python -m fusedrl.slime_ext.train, whose flag checks set it (token_mean sets it, constant forbids it)"
+            "start through python -m fusedrl.slime_ext.train, whose flag checks set it (token_mean sets it, the others forbid it)"
         )
-    denominators = _fixed_denominators(args, mode, len(loss_masks))
+    if mode == "prompt_mean":
+        denominators = pg_loss_denominators(args, micro_batch.current())
+    else:
+        denominators = _fixed_denominators(args, mode, len(loss_masks))
+    if len(denominators) != len(loss_masks):
+        raise ValueError(f"{len(denominators)} pg_loss denominators for the {len(loss_masks)} samples slime reduces")
     tokens = LocalTokens.of(total_lengths, response_lengths, loss_masks, loss_masks[0].device)
     return lambda x: tokens.reduce(x, denominators)

@@ -11,14 +11,16 @@ slime's flags besides its own.
 The package's losses and hooks also run inside slime's trainer when it was started by slime's
 own `train.py` (the flags then never reached slime's args), so each calls `check_at_first_use`
 on its first call: the same checks, and a ValueError naming the flag wherever the startup checks
-would have had to change something slime has already read.
+would have had to change something slime has already read. The init hook also refuses the
+package's flags it finds on its process's command line but not on slime's args
+(`refuse_dropped_flags`).
 """
 
 import argparse
 import copy
 import weakref
 
-from .flags import aggregation, lm_head, policy, sfc
+from .flags import aggregation, lm_head, log_probs, policy, sfc
 
 # Resolved at first use without harm: only the package's own losses read them, per call.
 LATE_RESOLVABLE = ("loss_aggregation", "loss_aggregation_divisor")
@@ -28,7 +30,7 @@ _CHECKED = {}  # id(args) -> weak reference, for the args objects that passed ch
 
 def add_fusedrl_arguments(parser):
     """Register every feature's flags on slime's parser; returns the parser (slime's convention)."""
-    for feature in (aggregation, policy, sfc, lm_head):
+    for feature in (aggregation, policy, sfc, lm_head, log_probs):
         feature.add_arguments(parser)
     return parser
 
@@ -42,11 +44,35 @@ def validate_fusedrl_args(args) -> None:
     aggregation.validate_args(args, implied=sfc.validate_args(args))
     policy.validate_args(args)
     lm_head.validate_args(args)
+    log_probs.validate_args(args)
 
 
 def fusedrl_defaults() -> dict:
     """Every package flag's attribute and its default."""
     return vars(add_fusedrl_arguments(argparse.ArgumentParser()).parse_args([]))
+
+
+def package_options() -> dict:
+    """Every option string of the package's flags -> the attribute slime's args would hold it in."""
+    parser = add_fusedrl_arguments(argparse.ArgumentParser(add_help=False))
+    return {option: action.dest for action in parser._actions for option in action.option_strings}
+
+
+def refuse_dropped_flags(args, argv) -> None:
+    """ValueError naming the package's flags in `argv` (a command line) that never reached `args`.
+
+    slime's own entry scripts parse with a parser that drops the flags it does not define, so
+    `--loss-aggregation prompt_mean` given to slime's `train.py` would otherwise train as
+    sample_mean without a word."""
+    options = package_options()
+    given = [token.split("=", 1)[0] for token in argv if isinstance(token, str) and token.startswith("--")]
+    dropped = sorted({flag for flag in given if flag in options and not hasattr(args, options[flag])})
+    if dropped:
+        raise ValueError(
+            f"{', '.join(dropped)} on the command line never reached slime's args: slime's own entry script parses "
+            f"with a parser that drops flags it does not define. Start training through `{ENTRY_POINT} ...` "
+            "(`fusedrl.slime_ext.train`), which adds the package's flags to slime's parser"
+        )
 
 
 def configures_package(args) -> bool:

@@ -7,16 +7,23 @@ replaces, in every loaded module that holds them (the defining module and every 
 - `slime.backends.megatron_utils.loss.get_log_probs_and_entropy` and
   `slime.utils.ppo_utils.calculate_log_probs_and_entropy` by the fused versions of
   `fusedrl.slime_ext.logprobs` (same signatures and results), so slime's own policy, SFT, KL and
-  log-prob recompute paths run on the kernel with no other flag;
+  log-prob recompute paths run on the kernel with no other flag (not with
+  --fusedrl-keep-slime-log-probs, the bitwise A/B switch);
 - `slime.backends.megatron_utils.data.get_batch` by `carry.without_carried_inputs(get_batch)`,
   which keeps the package's carried tensors out of the model's forward kwargs (a no-op for batches
   that carry none);
+- when slime's policy loss calls the package's pg_loss reducer
+  (--custom-pg-loss-reducer-function-path fusedrl.slime_ext.aggregation.get_pg_loss_reducer),
+  `slime.backends.megatron_utils.loss.policy_loss_function` by `micro_batch.publishing(original)`,
+  so the reducer can read prompt_mean's carried denominators from the micro-batch;
 - with --fusedrl-fused-lm-head only, `slime.backends.megatron_utils.model_provider.
   get_model_provider_func` by `lm_head.handing_off_provider_func(original)`: the actor's output
   layer hands its hidden states to the log-prob path instead of logits (`lm_head`).
 
-When the run was started through `fusedrl.slime_ext.train` and another init hook was given, the
-entry point moved it to `args.fusedrl_user_init_path`; `install` calls it after patching.
+Before patching, `install` refuses (ValueError naming them and the entry point) the package's
+flags that are on its process's command line but not on slime's args: slime's own entry script
+dropped them. When the run was started through `fusedrl.slime_ext.train` and another init hook was
+given, the entry point moved it to `args.fusedrl_user_init_path`; `install` calls it after patching.
 
 Modules imported later pick up the replacement from the (already patched) defining module.
 Installing again is harmless and also patches modules loaded since; `uninstall()` puts every
@@ -30,8 +37,10 @@ import sys
 from typing import Callable, Dict, List, NamedTuple, Tuple
 
 from . import age, lm_head
-from .arguments import check_at_first_use, configures_package
+from .arguments import check_at_first_use, configures_package, refuse_dropped_flags
 from .flags import lm_head as lm_head_flags
+from .flags import log_probs as log_probs_flags
+from .flags.aggregation import REDUCER_PATH
 from .flags.sfc import uses_sfc
 from .hooks import load_function
 
@@ -62,10 +71,20 @@ def _batch_without_carried_inputs(original):
     return without_carried_inputs(original)
 
 
-TARGETS = (
+def _policy_loss_publishing_batch(original):
+    from .micro_batch import publishing
+
+    return publishing(original)
+
+
+LOG_PROB_TARGETS = (
     Target("slime.backends.megatron_utils.loss", "get_log_probs_and_entropy", _fused_get_log_probs),
     Target("slime.utils.ppo_utils", "calculate_log_probs_and_entropy", _fused_calculate_log_probs),
-    Target("slime.backends.megatron_utils.data", "get_batch", _batch_without_carried_inputs),
+)
+BATCH_TARGETS = (Target("slime.backends.megatron_utils.data", "get_batch", _batch_without_carried_inputs),)
+TARGETS = LOG_PROB_TARGETS + BATCH_TARGETS
+REDUCER_TARGETS = (
+    Target("slime.backends.megatron_utils.loss", "policy_loss_function", _policy_loss_publishing_batch),
 )
 FUSED_LM_HEAD_TARGETS = (
     Target("slime.backends.megatron_utils.model_provider", "get_model_provider_func", lm_head.handing_off_provider_func),
@@ -112,16 +131,31 @@ def _rebind_everywhere(original: Callable, new: Callable) -> None:
             _PATCHED.append((module, name, original))
 
 
+def _targets(args) -> Tuple[Target, ...]:
+    """What `install(args)` patches: the log-prob path unless --fusedrl-keep-slime-log-probs, the
+    batch filter always, slime's policy loss when it calls the package's pg_loss reducer, and the
+    output-layer hand-off with --fusedrl-fused-lm-head."""
+    if args is None:
+        return TARGETS
+    targets = () if log_probs_flags.enabled(args) else LOG_PROB_TARGETS
+    targets += BATCH_TARGETS
+    if getattr(args, "custom_pg_loss_reducer_function_path", None) == REDUCER_PATH:
+        targets += REDUCER_TARGETS
+    return targets + (FUSED_LM_HEAD_TARGETS if lm_head_flags.enabled(args) else ())
+
+
 def install(args=None) -> None:
-    """slime's init hook: run the package's flag checks when its flags, losses or hooks are
-    configured (`arguments.check_at_first_use`), patch the targets in every loaded module
-    (idempotent; the output-layer hand-off only with --fusedrl-fused-lm-head), start the
-    weight-version age bookkeeping when the SFC loss is configured, then run the user's own init
-    hook when the entry point moved it to --fusedrl-user-init-path."""
-    if args is not None and configures_package(args):
-        check_at_first_use(args)
-    fused_lm_head = args is not None and lm_head_flags.enabled(args)
-    for target in TARGETS + (FUSED_LM_HEAD_TARGETS if fused_lm_head else ()):
+    """slime's init hook: refuse the package's flags that slime's parser dropped from the command
+    line (`arguments.refuse_dropped_flags`: slime's own entry script was run with them), run the
+    package's flag checks when its flags, losses or hooks are configured
+    (`arguments.check_at_first_use`), patch the targets in every loaded module (idempotent; see
+    `_targets`), start the weight-version age bookkeeping when the SFC loss is configured, then run
+    the user's own init hook when the entry point moved it to --fusedrl-user-init-path."""
+    if args is not None:
+        refuse_dropped_flags(args, sys.argv[1:])
+        if configures_package(args):
+            check_at_first_use(args)
+    for target in _targets(args):
         _rebind_everywhere(*_replacement_for(target))
     if args is not None and uses_sfc(args):
         age.install(args)

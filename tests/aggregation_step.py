@@ -16,6 +16,7 @@ RESPONSES = [9, 6, 11, 5, 10, 14]
 GROUPS = [0, 0, 0, 1, 1, 2]
 ROLLOUT_IDS = [None, None, None, 40, 40, None]
 DIVISOR = 16.0
+NUM_ROLLOUTS = 5  # one training step: samples 3 and 4 are one rollout
 
 
 def mode_args(mode, strict=False, **overrides):
@@ -67,7 +68,9 @@ class Step(SimpleNamespace):
 
 def make_step(mode, strict=False, seed=0):
     samples = make_samples(seed, TOTALS, RESPONSES, vocab=11)
-    args = mode_args(mode, strict, loss_aggregation_inner_rollout_function_path=f"{__name__}.inner_rollout")
+    args = mode_args(
+        mode, strict, loss_aggregation_inner_rollout_function_path=f"{__name__}.inner_rollout", global_batch_size=NUM_ROLLOUTS
+    )
     rollout = rollout_samples(samples)
     prompt_groups.generate_rollout(args, 0, rollout)
     gen = torch.Generator().manual_seed(seed + 100)

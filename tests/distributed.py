@@ -8,6 +8,10 @@ session (workers start once and are reused by every test). `run_on_ranks(world_s
 runs `fn(rank, world_size, *args)` once on fresh workers without Megatron, for tests that set up
 their own groups.
 
+Workers run on CPU, in the Triton interpreter, also in a FUSEDRL_TEST_DEVICE=cuda session: gloo
+has no CUDA collectives, so tests on these groups stay on CPU (single-rank loss tests run on the
+test device in the test process instead: `slime_harness.run_loss_on_ranks`).
+
 Workers are spawned, not forked: a fork after the test process has run torch's OpenMP thread
 pool can deadlock the child's first parallel op. Results cross processes detached (autograd
 graphs do not), pickled in the worker so that one that cannot cross fails its task, not the queue.

@@ -1,12 +1,13 @@
-"""Error measures shared by the parity tests."""
+"""Error measures shared by the parity tests; both sides are compared on CPU (a kernel's output may
+be on the test device, its float64 truth is on CPU)."""
 
 import torch
 
 
 def rel_err(actual: torch.Tensor, truth: torch.Tensor) -> float:
     """Relative norm error against a float64 truth (absolute when the truth is near zero)."""
-    truth = truth.detach().double()
-    return float((actual.detach().double() - truth).norm() / truth.norm().clamp_min(1.0))
+    actual, truth = actual.detach().cpu().double(), truth.detach().cpu().double()
+    return float((actual - truth).norm() / truth.norm().clamp_min(1.0))
 
 
 def assert_parity(actual: torch.Tensor, truth: torch.Tensor, tol: float, what: str = "") -> None:
@@ -16,7 +17,7 @@ def assert_parity(actual: torch.Tensor, truth: torch.Tensor, tol: float, what: s
     (at least 1), so one wrong column cannot hide in a norm; `torch.testing.assert_close` reports
     the worst element. Norm-wise: `rel_err` under `tol`.
     """
-    actual, truth = actual.detach().double(), truth.detach().double()
+    actual, truth = actual.detach().cpu().double(), truth.detach().cpu().double()
     scale = max(float(truth.abs().max()), 1.0) if truth.numel() else 1.0
     torch.testing.assert_close(actual, truth, rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}" if what else m)
     error = rel_err(actual, truth)

@@ -31,7 +31,8 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from distributed import RankInfo
+from device import to_cpu, to_device
+from distributed import RankInfo, get_pool
 from numerics import assert_parity
 
 # ----------------------------------------------------------------------------- layouts
@@ -349,9 +350,12 @@ PAD = 8
 SCALING = dict(num_microbatches=2, step_global_batch_size=8)
 
 
-def rank_loss_and_grad(info: RankInfo, full_logits, args, batch, loss_fn):
+def rank_loss_and_grad(info: RankInfo, full_logits, args, batch, loss_fn, device=None):
     """(info, loss, metrics, logits gradient) of slime's loss wrapper around `loss_fn` on this
-    rank, with every prompt and padding row of the logits poisoned so that reading one shows."""
+    rank, with every prompt and padding row of the logits poisoned so that reading one shows.
+
+    device: where the loss runs (logits and batch moved there, as slime's batch lives on the GPU);
+    the results come back on CPU. None: on CPU."""
     # slime's wrapper adds 0 * logits.sum() under allgather-CP, which reads every row: there the
     # unread rows hold a huge finite value instead of NaN.
     fill = 1e4 if args.allgather_cp else float("nan")
@@ -362,10 +366,24 @@ def rank_loss_and_grad(info: RankInfo, full_logits, args, batch, loss_fn):
         pad_multiple=PAD,
         fill=fill,
     )
+    if device is not None:
+        logits, batch = logits.detach().to(device).requires_grad_(), to_device(batch, device)
     scaling = Scaling(dp_cp_size=info.cp_size * info.dp_size, cp_size=info.cp_size, **SCALING)
     loss, metrics = slime_loss_function(args, batch, logits, loss_fn, info.cp_rank, scaling)
     loss.backward()
-    return info, loss, metrics, logits.grad[0]
+    return info, to_cpu(loss), to_cpu(metrics), logits.grad[0].cpu()
+
+
+def run_loss_on_ranks(tp: int, cp: int, device, rank_fn, *args) -> list:
+    """[rank_fn(info, *args, rank_device)] for every rank of a tp x cp layout.
+
+    tp = cp = 1: one rank, in this process, on `device` (the test device: no process group, so the
+    losses see one unsplit rank, as megatron-core at tp = cp = 1 gives them). Otherwise the
+    session's gloo workers (`distributed.get_pool`), on CPU: gloo has no CUDA collectives.
+    """
+    if tp * cp == 1:
+        return [rank_fn(RankInfo(0, 1, 0, 1, 0, 1, 0, 1), *args, device)]
+    return get_pool(tp, cp).run(rank_fn, *args, torch.device("cpu"))
 
 
 def reference_losses(args, cp_size: int, batch_for_rank, reference_for_rank):

@@ -22,6 +22,24 @@ def copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def copy_unrolled_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """The copy with its loop unrolled twice by the compiler: two source trips per SASS trip."""
+    offs = tl.arange(0, BLOCK)
+    for start in tl.range(0, n, BLOCK, loop_unroll_factor=2):
+        cols = start + offs
+        tl.store(dst_ptr + cols, tl.load(src_ptr + cols, mask=cols < n), mask=cols < n)
+
+
+@triton.jit
+def copy_without_block_kernel(src_ptr, dst_ptr, n, WIDTH: tl.constexpr):
+    """A copy whose tile is not named BLOCK*: the cost model cannot know its elements per trip."""
+    offs = tl.arange(0, WIDTH)
+    for start in range(0, n, WIDTH):
+        cols = start + offs
+        tl.store(dst_ptr + cols, tl.load(src_ptr + cols, mask=cols < n), mask=cols < n)
+
+
+@triton.jit
 def exp_sum_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, REDUCE_IN_LOOP: tl.constexpr):
     """out = sum(exp(src)): per-thread sums reduced once after the loop, or a block-wide
     reduction in every trip."""
@@ -47,6 +65,16 @@ def _vector(n=1 << 24):
 def launch_copy():
     src = _vector()
     copy_kernel[(1,)](src, torch.empty_like(src), src.numel(), BLOCK=BLOCK, num_warps=WARPS)
+
+
+def launch_copy_unrolled():
+    src = _vector()
+    copy_unrolled_kernel[(1,)](src, torch.empty_like(src), src.numel(), BLOCK=BLOCK, num_warps=WARPS)
+
+
+def launch_copy_without_block():
+    src = _vector()
+    copy_without_block_kernel[(1,)](src, torch.empty_like(src), src.numel(), WIDTH=BLOCK, num_warps=WARPS)
 
 
 def launch_exp_sum(reduce_in_loop):

@@ -26,7 +26,7 @@ from aggregation_step import (
 from slime_harness import Scaling, slime_loss_function
 from slime_harness import sum_of_sample_mean as slime_sum_of_sample_mean
 
-from fusedrl.slime_ext import aggregation, carry
+from fusedrl.slime_ext import aggregation, carry, micro_batch
 from fusedrl.slime_ext.flags.aggregation import MODES, REDUCER_PATH
 from fusedrl.slime_ext.hooks import load_function
 
@@ -181,10 +181,33 @@ def test_slime_reducer_hook_matches_the_fused_loss(megatron_args, mode):
     assert abs(float(reducer(pg) - expected)) <= EXACT * abs(float(expected))
 
 
-@pytest.mark.parametrize("mode", ["sample_mean", "prompt_mean"])
-def test_slime_reducer_hook_refuses_modes_needing_per_sample_data(megatron_args, mode):
-    megatron_args.args = mode_args(mode)
-    with pytest.raises(ValueError, match=f"--loss-aggregation {mode} cannot run through --custom-pg-loss-reducer"):
+@pytest.mark.parametrize("strict", [False, True])
+def test_slime_reducer_hook_reads_prompt_denominators_from_the_published_micro_batch(megatron_args, strict):
+    """prompt_mean through slime's reducer hook: the factory, called inside slime's policy loss as
+    the init hook wraps it (`micro_batch.publishing`), weighs by the batch's carried group totals."""
+    step = make_step("prompt_mean", strict=strict)
+    megatron_args.args = step.args
+    indices = [4, 0, 5]
+    batch = get_batch(step, indices)
+    pg = local_pg_loss(step, indices, step.pg_loss)
+
+    def slime_policy_loss(args, batch, logits, sum_of_sample_mean):  # calls the hook as slime's does
+        factory = load_function(args.custom_pg_loss_reducer_function_path)
+        return factory(batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], False)(pg)
+
+    args = SimpleNamespace(**{**vars(step.args), "custom_pg_loss_reducer_function_path": REDUCER_PATH})
+    wrapped = micro_batch.publishing(slime_policy_loss)
+    got = wrapped(args, batch, None, None)
+    expected = aggregation.aggregate_pg_loss(step.args, batch, pg)
+    assert abs(float(got - expected)) <= EXACT * abs(float(expected))
+    assert micro_batch.publishing(wrapped) is wrapped  # installing twice is harmless
+    with pytest.raises(ValueError, match="needs the micro-batch slime's policy_loss_function is computing"):
+        slime_policy_loss(args, batch, None, None)  # not wrapped: the init hook did not run
+
+
+def test_slime_reducer_hook_refuses_sample_mean(megatron_args):
+    megatron_args.args = mode_args("sample_mean")
+    with pytest.raises(ValueError, match="--loss-aggregation sample_mean is slime's own pg_loss reducer"):
         aggregation.get_pg_loss_reducer([5], [3], [torch.ones(3)], False)
 
 

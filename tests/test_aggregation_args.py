@@ -76,7 +76,7 @@ def test_token_mean_refuses_per_token_loss_left_off():
 
 @pytest.mark.parametrize(
     "setting,value,named",
-    [("num_steps_per_rollout", 2, "--num-steps-per-rollout"), ("global_batch_size", 4, "--global-batch-size 4"),
+    [("global_batch_size", 3, "--global-batch-size 3 is not a multiple of --n-samples-per-prompt 2"),
      ("load_debug_rollout_data", "/x/rollout_{rollout_id}.pt", "--load-debug-rollout-data")],
 )
 def test_prompt_mean_refuses_settings_that_break_its_denominators(setting, value, named):
@@ -84,6 +84,16 @@ def test_prompt_mean_refuses_settings_that_break_its_denominators(setting, value
     setattr(args, setting, value)
     with pytest.raises(ValueError, match=named):
         aggregation_flags.validate_args(args, implied=None)
+
+
+@pytest.mark.parametrize("steps, global_batch_size", [(1, 8), (2, 4), (4, 2)])
+def test_prompt_mean_accepts_several_steps_per_rollout_of_whole_groups(steps, global_batch_size):
+    """4 prompts x 2 samples: steps of 8, 4 or 2 rollouts hold whole groups (the rollout wrapper
+    checks each rollout's actual groups)."""
+    args = parse("--loss-aggregation", "prompt_mean")
+    args.num_steps_per_rollout, args.global_batch_size = steps, global_batch_size
+    aggregation_flags.validate_args(args, implied=None)
+    assert args.rollout_function_path == aggregation_flags.ROLLOUT_FUNCTION_PATH
 
 
 @pytest.mark.parametrize("per_token,mode", [(False, "sample_mean"), (True, "token_mean")])
@@ -127,25 +137,29 @@ def test_other_modes_keep_the_rollout_function(mode):
     assert args.rollout_function_path == "my.rollout.fn"
 
 
-def test_prompt_mean_needs_the_packages_loss():
-    with pytest.raises(ValueError, match="--loss-aggregation prompt_mean is applied by the package's losses .* got --loss-type policy_loss"):
-        aggregation_flags.validate_args(parse("--loss-aggregation", "prompt_mean", loss_type="policy_loss"), implied=None)
+@pytest.mark.parametrize("loss_type", ["sft_loss", "value_loss"])
+def test_prompt_mean_needs_a_loss_that_computes_pg_loss(loss_type):
+    with pytest.raises(ValueError, match=f"--loss-aggregation prompt_mean weighs pg_loss, .* got --loss-type {loss_type}"):
+        aggregation_flags.validate_args(parse("--loss-aggregation", "prompt_mean", loss_type=loss_type), implied=None)
 
 
-def test_constant_with_slimes_policy_loss_installs_the_reducer():
-    args = parse("--loss-aggregation", "constant", "--loss-aggregation-divisor", "8", loss_type="policy_loss")
+@pytest.mark.parametrize("mode_flags", [("constant", "--loss-aggregation-divisor", "8"), ("prompt_mean",)])
+def test_slimes_policy_loss_gets_the_packages_reducer(mode_flags):
+    """constant and prompt_mean on slime's own policy_loss: the loss type stays (slime keeps its
+    log-prob reuse) and the package's pg_loss reducer is installed."""
+    args = parse("--loss-aggregation", *mode_flags, loss_type="policy_loss")
     aggregation_flags.validate_args(args, implied=None)
+    assert args.loss_type == "policy_loss"
     assert args.custom_pg_loss_reducer_function_path == aggregation_flags.REDUCER_PATH
     assert load_function(aggregation_flags.REDUCER_PATH) is aggregation.get_pg_loss_reducer
-    other = parse("--loss-aggregation", "constant", "--loss-aggregation-divisor", "8", loss_type="policy_loss", reducer="x.y")
+    other = parse("--loss-aggregation", *mode_flags, loss_type="policy_loss", reducer="x.y")
     with pytest.raises(ValueError, match="needs --custom-pg-loss-reducer-function-path .*, got x.y"):
         aggregation_flags.validate_args(other, implied=None)
 
 
-@pytest.mark.parametrize("mode", ["sample_mean", "prompt_mean"])
-def test_reducer_hook_is_refused_for_modes_it_cannot_apply(mode):
-    args = parse("--loss-aggregation", mode, reducer=aggregation_flags.REDUCER_PATH)
-    with pytest.raises(ValueError, match=f"--custom-pg-loss-reducer-function-path .* cannot apply --loss-aggregation {mode}"):
+def test_reducer_hook_is_refused_for_sample_mean():
+    args = parse("--loss-aggregation", "sample_mean", reducer=aggregation_flags.REDUCER_PATH)
+    with pytest.raises(ValueError, match="--custom-pg-loss-reducer-function-path .* is not for --loss-aggregation sample_mean"):
         aggregation_flags.validate_args(args, implied=None)
 
 

@@ -36,11 +36,16 @@ def inner_rollout(args, rollout_id, data_source, evaluation=False):
     return data_source
 
 
-def wrapper_args(mode="prompt_mean", strict=False):
+def wrapper_args(mode="prompt_mean", strict=False, global_batch_size=5):
+    """slime's args as the wrapper reads them; uneven_groups() holds 5 rollouts (one step by default)."""
     return SimpleNamespace(
         loss_aggregation=mode,
         loss_aggregation_strict_prompt_scale=strict,
         loss_aggregation_inner_rollout_function_path=f"{__name__}.inner_rollout",
+        global_batch_size=global_batch_size,
+        rollout_batch_size=3,
+        n_samples_per_prompt=2,
+        num_steps_per_rollout=None,
     )
 
 
@@ -90,7 +95,7 @@ def test_compact_rollouts_nested_deeper_are_found():
 def test_sample_without_group_is_rejected():
     groups = uneven_groups()
     groups[1][1].group_index = None
-    with pytest.raises(ValueError, match=r"prompt_mean needs Sample.group_index .* group_index=None for sample 4 of the step \(index=4\)"):
+    with pytest.raises(ValueError, match=r"prompt_mean needs Sample.group_index .* group_index=None for sample 4 of the rollout \(index=4\)"):
         prompt_groups.generate_rollout(wrapper_args(), 0, groups)
 
 
@@ -182,13 +187,35 @@ def test_readers_reject_missing_and_misaligned_tensors():
 
 
 
-@pytest.mark.parametrize("global_batch_size", [4, 6])
-def test_prompt_mean_refuses_a_rollout_slime_would_not_train_whole(global_batch_size):
-    """uneven_groups() holds 5 rollouts: slime's DP schedule drops the fifth at 4 per step (its masks
-    would still count) and cannot build a step of 6."""
-    args = wrapper_args()
-    args.global_batch_size = global_batch_size
-    with pytest.raises(ValueError, match=f"returned 5 rollouts, but slime trains one step of --global-batch-size {global_batch_size}"):
-        prompt_groups.generate_rollout(args, 0, uneven_groups())
-    args.global_batch_size = 5
-    assert len(prompt_groups.generate_rollout(args, 0, uneven_groups())) == 3
+def test_group_cut_between_two_steps_is_refused_naming_group_and_batch_settings():
+    """At 2 rollouts per step, group 7's rollouts 0, 1 train in step 0 and rollout 2 in step 1."""
+    with pytest.raises(ValueError, match=r"prompt group 7 \(Sample.group_index\) lies across step 0, step 1 of the rollout.*"
+                       r"--global-batch-size 2 rollouts .*--rollout-batch-size 3 x --n-samples-per-prompt 2, --num-steps-per-rollout None"):
+        prompt_groups.generate_rollout(wrapper_args(global_batch_size=2), 0, uneven_groups())
+
+
+def test_group_cut_between_a_step_and_the_dropped_remainder_is_refused():
+    """Five single-sample rollouts (groups 7, 7, 8, 8, 3) at 3 per step: step 0 holds samples 0, 1
+    and 3, samples 4 and 5 are dropped, so group 8 is cut between step 0 and the remainder."""
+    groups = uneven_groups()
+    groups[0].pop()
+    for member in groups[1]:
+        member.rollout_id = None
+    with pytest.raises(ValueError, match=r"prompt group 8 .* lies across step 0, the dropped remainder"):
+        prompt_groups.generate_rollout(wrapper_args(global_batch_size=3), 0, groups)
+
+
+def test_whole_groups_in_several_steps_get_their_own_step_denominators_and_scale():
+    """At 4 rollouts per step: step 0 = groups 7 and 8 (rollouts 0-3), group 3's rollout 4 is the
+    dropped remainder (whole, so accepted). Strict scale per step: P/N = 2/4 in step 0, 1/1 when dropped."""
+    groups = uneven_groups()
+    prompt_groups.generate_rollout(wrapper_args(strict=True, global_batch_size=4), 0, groups)
+    assert denominators(flat(groups)) == pytest.approx([4 * 2 / 4] * 3 + [2 / 4] * 2 + [4.0], rel=1e-15)
+
+
+def test_training_steps_follow_first_appearance_of_each_rollout():
+    samples = [sample(i, 0, [1], rollout_id=rid) for i, rid in enumerate([5, None, 5, 2, None, 2, 7])]
+    # rollouts in order: 5, (1), 2, (4), 7 -> steps of 2: [5, (1)], [2, (4)], 7 dropped
+    assert prompt_groups.training_steps(samples, 2) == [0, 0, 0, 1, 1, 1, None]
+    with pytest.raises(ValueError, match=r"--global-batch-size must be an integer >= 1, got 0"):
+        prompt_groups.training_steps(samples, 0)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from sm90 import Launch, compile_for_hopper
 
-from bench.static import COPY_TBPS, ctas_per_sm, table
+from bench.static import COPY_TBPS, ceilings, ctas_per_sm, table
 from bench.static_join import beside_measured
 from bench.static_sass import access_bits, count_main_loop, loops, parse_resources, parse_sass
 
@@ -47,10 +47,23 @@ def test_occupancy_from_registers_warps_and_shared_memory():
     assert ctas_per_sm(32, 8, 100 * 1024) == 2
 
 
+def test_ceiling_is_the_lower_of_issue_and_the_ex2_unit():
+    lanes = 132 * 1.98e9
+    # 2 instructions and 1 ex2 per 4-byte element: the ex2 unit (16 lanes/clock) runs out first
+    bound = ceilings(2.0, 1.0, 4.0)
+    assert bound["issue_tbps"] == pytest.approx(lanes * 128 / 2 * 4 / 1e12)
+    assert bound["mufu_tbps"] == pytest.approx(lanes * 16 * 4 / 1e12)
+    assert (bound["ceiling_tbps"], bound["bound"]) == (bound["mufu_tbps"], "ex2")
+    # 16 instructions, no ex2: issue
+    bound = ceilings(16.0, 0.0, 4.0)
+    assert (bound["ceiling_tbps"], bound["bound"]) == (bound["issue_tbps"], "issue")
+
+
 @pytest.fixture(scope="module")
 def compiled():
     launches = [
         Launch("copy", "static_kernels:launch_copy", {}),
+        Launch("copy, unrolled twice", "static_kernels:launch_copy_unrolled", {}),
         Launch("exp sum, reduced after the loop", "static_kernels:launch_exp_sum", {"reduce_in_loop": False}),
         Launch("exp sum, reduced in the loop", "static_kernels:launch_exp_sum", {"reduce_in_loop": True}),
     ]
@@ -67,6 +80,22 @@ def test_copy_kernel_is_two_128_bit_loads_and_stores_per_trip(compiled):
     assert copy["mufu_per_element"] == copy["barriers_per_element"] == copy["shuffles_per_element"] == 0
     assert copy["instructions_per_element"] < 2  # 2 loads, 2 stores, address and loop arithmetic
     assert copy["ceiling_tbps"] > 3 * COPY_TBPS
+
+
+def test_elements_per_trip_come_from_the_launched_tile(compiled):
+    """BLOCK = 1024 over 4 warps: 8 elements per thread per source trip, whatever the unrolling
+    (ptxas unrolls the plain copy by itself); the copy unrolled twice in Triton covers an even
+    number of source trips per SASS trip."""
+    for row in (compiled["copy"], compiled["copy, unrolled twice"]):
+        assert row["elements_per_thread"] == 8 * row["unrolled"]
+        assert row["instructions_per_element"] < 4
+    assert compiled["copy, unrolled twice"]["unrolled"] % 2 == 0
+    assert compiled["copy"]["triton"]
+
+
+def test_a_kernel_without_a_block_constexpr_is_refused():
+    with pytest.raises(RuntimeError, match="no BLOCK"):
+        compile_for_hopper([Launch("copy", "static_kernels:launch_copy_without_block", {})])
 
 
 def test_reduction_placement_shows_in_barriers_and_shuffles(compiled):

@@ -4,14 +4,15 @@ them compiles with `fullgraph=True`, no graph break, and gives eager's values an
 The losses are PPO-clip on the sampled token's logp, aggregated per sample by `segment_sum`: one
 from logits through `token_stats`, one from hidden states through `linear_token_stats`. Both are
 also checked against a float64 eager truth. `opcheck` checks each op's schema, fake (meta)
-implementation, autograd registration and AOT dispatch. Inputs live on the test device (the
-Triton interpreter on CPU); the compiled part around the ops is inductor's code for that device.
+implementation, autograd registration and AOT dispatch. Inputs live on the `device` fixture's
+device (the Triton interpreter on CPU); the compiled part around the ops is inductor's code for that
+device. The tensor-parallel test runs on a CPU gloo group (gloo has no CUDA collectives).
 """
 
 import pytest
 import torch
 import torch.distributed as dist
-from device import on_cpu, to_device
+from device import to_device
 from distributed import run_on_ranks
 from numerics import assert_parity
 
@@ -21,9 +22,6 @@ from fusedrl.kernels.linear_token_stats import linear_token_stats_backward_op, l
 from fusedrl.kernels.segment_sum import segment_sum_backward_op, segment_sum_op
 from fusedrl.kernels.token_stats import token_stats_backward_op, token_stats_op
 
-TOKEN_STATS = on_cpu(token_stats)  # inputs are built on the test device: no wrapper needed
-LINEAR_TOKEN_STATS = on_cpu(linear_token_stats)
-SEGMENT_SUM = on_cpu(segment_sum)
 CLIP = 0.2
 ENTROPY_COEF = 0.01
 
@@ -37,9 +35,10 @@ def ppo_loss(logp, entropy, batch):
     return batch["aggregate"](per_token)
 
 
-def make_batch(num_rows, vocab, gen, num_segments=3):
+def make_batch(num_rows, vocab, gen, device, num_segments=3):
     """Sampled ids (slot 0) plus a repeated draw, old log-probs, advantages, and the samples'
-    segments with a masked token and an empty segment; `aggregate` is the fused segmented mean."""
+    segments with a masked token and an empty segment, on `device`; `aggregate` is the fused
+    segmented mean."""
     ids = torch.randint(0, vocab, (num_rows, 2), generator=gen)
     ids[::3, 1] = ids[::3, 0]  # a draw equal to the sampled token
     segment_ids = torch.randint(0, num_segments, (num_rows,), generator=gen)
@@ -53,20 +52,20 @@ def make_batch(num_rows, vocab, gen, num_segments=3):
         "mask": mask,
         "segment_ids": segment_ids,
         "denominators": denominators,
-    })  # fmt: skip
-    batch["aggregate"] = lambda values: SEGMENT_SUM(
+    }, device)  # fmt: skip
+    batch["aggregate"] = lambda values: segment_sum(
         values, batch["mask"], batch["segment_ids"], batch["denominators"], validate=False
     )
     return batch
 
 
 def logits_loss(logits, rows, temperature, batch):
-    stats = TOKEN_STATS(logits, batch["ids"], temperature=temperature, with_entropy=True, rows=rows, validate=False)
+    stats = token_stats(logits, batch["ids"], temperature=temperature, with_entropy=True, rows=rows, validate=False)
     return ppo_loss(stats.logp, stats.entropy, batch)
 
 
 def hidden_loss(hidden, weight, temperature, batch):
-    stats = LINEAR_TOKEN_STATS(
+    stats = linear_token_stats(
         hidden, weight, batch["ids"], temperature=temperature, with_entropy=True, chunk_rows=8, validate=False
     )
     return ppo_loss(stats.logp, stats.entropy, batch)
@@ -103,13 +102,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_fullgraph_policy_loss_matches_eager_and_float64(case):
+def test_fullgraph_policy_loss_matches_eager_and_float64(case, device):
     loss_fn, make_leaves, make_extra = CASES[case]
     gen = torch.Generator().manual_seed(len(case))
-    leaves, extra = to_device(make_leaves(gen)), to_device(make_extra())
+    leaves, extra = to_device(make_leaves(gen), device), to_device(make_extra(), device)
     num_rows = extra[0].numel() if extra else leaves[0].shape[0]
     vocab = leaves[-1].shape[0] if case == "linear_token_stats" else leaves[0].shape[1]
-    batch = make_batch(num_rows, vocab, gen)
+    batch = make_batch(num_rows, vocab, gen, device)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(loss_fn)(*leaves, *extra, 0.7, batch)
     assert explained.graph_break_count == 0, explained.break_reasons
@@ -127,15 +126,15 @@ def test_fullgraph_policy_loss_matches_eager_and_float64(case):
             assert_parity(grad.cpu(), truth_grad, 1e-5, f"{case} gradient vs float64")
 
 
-def test_compiled_token_stats_is_bitwise_eager():
+def test_compiled_token_stats_is_bitwise_eager(device):
     """The op's outputs leave the graph untouched: any change of an argument on the way in (a
     temperature promoted to fp64, another launch shape) would show as a changed bit."""
     gen = torch.Generator().manual_seed(3)
-    logits = to_device(torch.randn(2, 7, 131, generator=gen)[:1])  # slime's [1, T, V]
-    ids = to_device(torch.randint(0, 131, (7, 3), generator=gen))
+    logits = torch.randn(2, 7, 131, generator=gen)[:1].to(device)  # slime's [1, T, V]
+    ids = torch.randint(0, 131, (7, 3), generator=gen).to(device)
 
     def stats(logits, temperature):
-        return tuple(TOKEN_STATS(logits, ids, temperature=temperature, with_entropy=True, validate=False))
+        return tuple(token_stats(logits, ids, temperature=temperature, with_entropy=True, validate=False))
 
     compiled = torch.compile(stats, fullgraph=True)
     for temperature in (0.7, 0.9):
@@ -143,15 +142,15 @@ def test_compiled_token_stats_is_bitwise_eager():
             assert torch.equal(out, eager)
 
 
-def test_compiled_inplace_backward_matches_eager():
+def test_compiled_inplace_backward_matches_eager(device):
     """The backward op writes the gradient into the logits buffer it is handed (here an
     intermediate of the compiled graph); the leaf's gradient is eager's, bit for bit."""
     gen = torch.Generator().manual_seed(4)
-    ids = to_device(torch.randint(0, 90, (6, 2), generator=gen))
-    logits = to_device(torch.randn(6, 90, generator=gen))
+    ids = torch.randint(0, 90, (6, 2), generator=gen).to(device)
+    logits = torch.randn(6, 90, generator=gen).to(device)
 
     def loss(logits):
-        stats = TOKEN_STATS(logits * 1.0, ids, temperature=0.7, with_entropy=True, inplace_backward=True, validate=False)
+        stats = token_stats(logits * 1.0, ids, temperature=0.7, with_entropy=True, inplace_backward=True, validate=False)
         return stats.logp.sum() + stats.entropy.sum()
 
     _, (eager,) = run(lambda x, temperature, batch: loss(x), [logits], [], None, None)
@@ -159,38 +158,43 @@ def test_compiled_inplace_backward_matches_eager():
     assert torch.equal(compiled, eager)
 
 
-def _op_inputs(gen):
-    """Checked, converted inputs of each op (what the public functions pass them)."""
-    logits = to_device(torch.randn(5, 70, generator=gen, requires_grad=True))
-    ids = to_device(torch.randint(0, 70, (3, 2), generator=gen))
-    rows = to_device(torch.tensor([4, 0, 2]))
-    per_row, per_id = to_device(torch.randn(3, generator=gen)), to_device(torch.randn(3, 2, generator=gen))
-    hidden = to_device(torch.randn(5, 8, generator=gen, requires_grad=True))
-    weight = to_device(torch.randn(70, 8, generator=gen, requires_grad=True))
-    values = to_device(torch.randn(6, 2, generator=gen, requires_grad=True))
-    mask, segments = to_device(torch.tensor([1.0, 0, 1, 1, 1, 1])), to_device(torch.tensor([0, 2, 2, 0, 1, 0]))
-    denominators = to_device(torch.tensor([3.0, 1, 2]))
+def _op_inputs(gen, device):
+    """Checked, converted inputs of each op (what the public functions pass them), on `device`."""
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen).to(device).requires_grad_(True)
+
+    logits = leaf(5, 70)
+    ids = torch.randint(0, 70, (3, 2), generator=gen).to(device)
+    rows = torch.tensor([4, 0, 2], device=device)
+    per_row, per_id = torch.randn(3, generator=gen).to(device), torch.randn(3, 2, generator=gen).to(device)
+    softmax_state = torch.randn(3, 3, generator=gen).to(device)
+    hidden = leaf(5, 8)
+    weight = leaf(70, 8)
+    values = leaf(6, 2)
+    mask, segments = torch.tensor([1.0, 0, 1, 1, 1, 1], device=device), torch.tensor([0, 2, 2, 0, 1, 0], device=device)
+    denominators = torch.tensor([3.0, 1, 2], device=device)
     return {
         "token_stats": (token_stats_op, (logits, ids, rows, 0.7, True, 0, None, False)),
         "token_stats_backward": (
             token_stats_backward_op,
-            (torch.empty_like(logits), logits.detach(), ids, rows, per_row, per_row, per_id, per_row, per_id, 0, 0.7),
+            (torch.empty_like(logits), logits.detach(), ids, rows, softmax_state, per_id, per_row, per_id, 0, 0.7),
         ),
         "linear_token_stats": (linear_token_stats_op, (hidden, weight, ids, rows, 0.7, True, 0, None, 2)),
         "linear_token_stats_backward": (
             linear_token_stats_backward_op,
-            (hidden.detach(), weight.detach(), ids, rows, per_row, per_row, per_id, per_row, per_id, 0.7, 0, 2, True, True),
+            (hidden.detach(), weight.detach(), ids, rows, softmax_state, per_id, per_row, per_id, 0.7, 0, 2, True, True),
         ),
         "segment_sum": (segment_sum_op, (values, mask, segments, denominators)),
-        "segment_sum_backward": (segment_sum_backward_op, (to_device(torch.randn(2, generator=gen)), mask, segments, denominators, torch.float32)),
+        "segment_sum_backward": (segment_sum_backward_op, (torch.randn(2, generator=gen).to(device), mask, segments, denominators, torch.float32)),
     }  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "op", ["token_stats", "token_stats_backward", "linear_token_stats", "linear_token_stats_backward", "segment_sum", "segment_sum_backward"]
 )  # fmt: skip
-def test_opcheck(op):
-    fn, args = _op_inputs(torch.Generator().manual_seed(5))[op]
+def test_opcheck(op, device):
+    fn, args = _op_inputs(torch.Generator().manual_seed(5), device)[op]
     torch.library.opcheck(fn, args)
 
 
@@ -202,7 +206,7 @@ def compiled_tp_worker(rank, world_size, logits, batch):
     batch = dict(batch, aggregate=torch.sum)
 
     def loss_fn(shard):
-        stats = TOKEN_STATS(
+        stats = token_stats(
             shard, batch["ids"], temperature=0.7, with_entropy=True, tp_group=dist.group.WORLD, validate=False
         )
         return ppo_loss(stats.logp, stats.entropy, batch)
@@ -214,11 +218,12 @@ def compiled_tp_worker(rank, world_size, logits, batch):
 
 
 def test_fullgraph_loss_under_tensor_parallelism_matches_the_unsplit_loss():
-    """tp = 2 on gloo: the group reaches the op by its registered name; each rank's loss equals the
-    unsplit loss and its gradient is its column slice of the unsplit gradient."""
+    """tp = 2 on gloo, on CPU (gloo has no CUDA collectives): the group reaches the op by its
+    registered name; each rank's loss equals the unsplit loss and its gradient is its column slice
+    of the unsplit gradient."""
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(10, 2 * 53, generator=gen)
-    batch = {k: v.cpu() for k, v in make_batch(10, 106, gen).items() if isinstance(v, torch.Tensor)}
+    batch = {k: v for k, v in make_batch(10, 106, gen, torch.device("cpu")).items() if isinstance(v, torch.Tensor)}
     leaf = logits.double().requires_grad_(True)
     stats = kernels.token_stats_reference(leaf, batch["ids"], temperature=0.7, with_entropy=True)
     truth = ppo_loss(stats.logp, stats.entropy, dict(batch, aggregate=torch.sum))

@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from device import ON_GPU
 
 from fusedrl.kernels import segment_sum, token_stats
+from fusedrl.kernels._dispatch import check_interpreter_numpy
 
 
 def run_python(code: str, interpret: bool) -> subprocess.CompletedProcess:
@@ -91,3 +93,13 @@ def test_import_without_triton_falls_back_on_cpu_and_refuses_cuda():
         assert done.returncode == 0, done.stderr
         assert "SUM: 3.0" in done.stdout
         assert "ERROR: fusedrl.kernels.token_stats needs triton for CUDA tensors" in done.stdout
+
+
+def test_interpreter_refuses_triton_before_3_8_beside_numpy_2_4():
+    """Triton 3.6's interpreter turns scalar kernel arguments into Python ints with int(), which
+    numpy >= 2.4 refuses; the kernels' loops would raise a TypeError deep in the interpreter, so
+    the pairing is refused up front with the fix (the CI matrix runs 3.6.0 beside numpy 2.3)."""
+    with pytest.raises(RuntimeError, match=r"triton 3\.6\.0 .* numpy 2\.4\.6 .*numpy<2\.4"):
+        check_interpreter_numpy("3.6.0", "2.4.6")
+    for triton_version, numpy_version in [("3.6.0", "2.3.5"), ("3.8.0", "2.4.6"), ("3.9.0", "2.5.1"), ("3.10.0rc1", "2.4.0")]:
+        check_interpreter_numpy(triton_version, numpy_version)

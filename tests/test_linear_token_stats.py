@@ -2,7 +2,9 @@
 
 Shapes are chosen to break the chunking as well as the kernels: a chunk size that does not divide
 the rows, one row per chunk, a chunk larger than the selection, V = 1, a prime V, V just above the
-kernels' block (4099 > 4096), repeated ids, selected rows out of order, an empty selection.
+kernels' block (4099 > 4096), repeated ids, selected rows out of order, an empty selection. The
+LM head runs on the `device` fixture's device, the float64 truth on CPU
+(tests/test_device_fixture.py checks that every tensor the kernels receive here is on it).
 """
 
 import gc
@@ -51,13 +53,15 @@ CASES = [
 
 @pytest.mark.parametrize("num_rows,width,vocab,num_ids,temperature,with_entropy,chunk_rows,rows", CASES)
 def test_fp32_outputs_and_gradients_match_float64(num_rows, width, vocab, num_ids, temperature, with_entropy,
-                                                  chunk_rows, rows):  # fmt: skip
+                                                  chunk_rows, rows, device):  # fmt: skip
     gen = torch.Generator().manual_seed(num_rows * 1000 + vocab)
     hidden, weight = random_layer(num_rows, width, vocab, torch.float32, gen)
     rows = None if rows is None else torch.tensor(rows)
     ids = make_ids(num_rows if rows is None else rows.numel(), vocab, num_ids, gen)
     kwargs = dict(temperature=temperature, with_entropy=with_entropy, rows=rows, chunk_rows=chunk_rows)
-    stats, grads, (grad_hidden, grad_weight) = head_with_grad(linear_token_stats, hidden, weight, ids, **kwargs)
+    stats, grads, (grad_hidden, grad_weight) = head_with_grad(
+        linear_token_stats, hidden, weight, ids, device=device, **kwargs
+    )
     truth, _, (truth_hidden, truth_weight) = head_with_grad(truth_head, hidden, weight, ids, grads, **kwargs)
     assert (stats.entropy is None) == (not with_entropy)
     for name, out, ref in zip(truth._fields, stats, truth):
@@ -74,7 +78,7 @@ def test_fp32_outputs_and_gradients_match_float64(num_rows, width, vocab, num_id
 
 
 @pytest.mark.parametrize("vocab,rows", [(7, None), (4099, [9, 1, 2, 14, 6])])
-def test_bf16_no_worse_than_the_unfused_and_eager_paths(vocab, rows):
+def test_bf16_no_worse_than_the_unfused_and_eager_paths(vocab, rows, device):
     """Outputs: no worse than the eager bf16 matmul + fp32 log-softmax. Gradients: no worse than the
     unfused path (same matmul, same token_stats kernel); the eager path's bf16 gradients are the bar
     on a GPU, where the kernel rounds its fp32 gradient to bf16 as autograd does, but not under the
@@ -84,10 +88,12 @@ def test_bf16_no_worse_than_the_unfused_and_eager_paths(vocab, rows):
     rows = None if rows is None else torch.tensor(rows)
     ids = make_ids(16 if rows is None else rows.numel(), vocab, 9, gen)
     kwargs = dict(temperature=0.7, with_entropy=True, rows=rows)
-    stats, grads, fused_grads = head_with_grad(linear_token_stats, hidden, weight, ids, chunk_rows=3, **kwargs)
+    stats, grads, fused_grads = head_with_grad(
+        linear_token_stats, hidden, weight, ids, device=device, chunk_rows=3, **kwargs
+    )
     truth, _, truth_grads = head_with_grad(truth_head, hidden, weight, ids, grads, **kwargs)
-    unfused, _, unfused_grads = head_with_grad(unfused_head, hidden, weight, ids, grads, **kwargs)
-    eager, _, _ = head_with_grad(eager_head, hidden, weight, ids, grads, **kwargs)
+    unfused, _, unfused_grads = head_with_grad(unfused_head, hidden, weight, ids, grads, device=device, **kwargs)
+    eager, _, _ = head_with_grad(eager_head, hidden, weight, ids, grads, device=device, **kwargs)
     slack = 1e-6
     for out, ref, base, unfused_out in zip(stats, truth, eager, unfused):
         assert rel_err(out, ref) <= rel_err(base, ref) + slack
@@ -98,50 +104,53 @@ def test_bf16_no_worse_than_the_unfused_and_eager_paths(vocab, rows):
 
 
 @pytest.mark.parametrize("used", TokenStats._fields)
-def test_a_loss_of_one_output_alone_gets_the_exact_gradients(used):
+def test_a_loss_of_one_output_alone_gets_the_exact_gradients(used, device):
     """Outputs a loss does not use reach the backward as None (no zeros filled for them)."""
     gen = torch.Generator().manual_seed(13)
     hidden, weight = random_layer(12, 16, 301, torch.float32, gen)
     ids, kwargs = make_ids(12, 301, 3, gen), dict(temperature=0.7, with_entropy=True, chunk_rows=5)
     grads = upstream_grads(truth_head(hidden, weight, ids, **kwargs), gen)
     grads = [grad if name == used else None for name, grad in zip(TokenStats._fields, grads)]
-    _, _, fused = head_with_grad(linear_token_stats, hidden, weight, ids, grads, **kwargs)
+    _, _, fused = head_with_grad(linear_token_stats, hidden, weight, ids, grads, device=device, **kwargs)
     _, _, truth = head_with_grad(truth_head, hidden, weight, ids, grads, **kwargs)
     for grad, truth_grad in zip(fused, truth):
         assert rel_err(grad, truth_grad) < FP32_TOL
 
 
-def test_empty_selection_gives_empty_outputs_and_zero_gradients():
+def test_empty_selection_gives_empty_outputs_and_zero_gradients(device):
     hidden, weight = random_layer(6, 8, 50, torch.float32, torch.Generator().manual_seed(0))
     stats, _, (grad_hidden, grad_weight) = head_with_grad(
         linear_token_stats, hidden, weight, torch.zeros(0, 3, dtype=torch.long),
-        rows=torch.zeros(0, dtype=torch.long), with_entropy=True,
+        rows=torch.zeros(0, dtype=torch.long), with_entropy=True, device=device,
     )  # fmt: skip
     assert stats.logp.shape == (0, 3) and stats.entropy.shape == (0,)
     assert torch.equal(grad_hidden, torch.zeros_like(grad_hidden))
     assert torch.equal(grad_weight, torch.zeros_like(grad_weight))
 
 
-def test_a_frozen_weight_or_hidden_gets_no_gradient_and_the_other_the_same_one():
+def test_a_frozen_weight_or_hidden_gets_no_gradient_and_the_other_the_same_one(device):
     gen = torch.Generator().manual_seed(2)
     hidden, weight = random_layer(10, 16, 300, torch.float32, gen)
     ids = make_ids(10, 300, 2, gen)
     kwargs = dict(with_entropy=True, chunk_rows=4)
-    stats, grads, (both_hidden, both_weight) = head_with_grad(linear_token_stats, hidden, weight, ids, **kwargs)
+    stats, grads, (both_hidden, both_weight) = head_with_grad(
+        linear_token_stats, hidden, weight, ids, device=device, **kwargs
+    )
+    hidden, weight, ids = hidden.to(device), weight.to(device), ids.to(device)
     for trainable, expected in ((hidden, both_hidden), (weight, both_weight)):
         leaf = trainable.clone().requires_grad_(True)
         args = (leaf, weight) if trainable is hidden else (hidden, leaf)
         (grad,) = torch.autograd.grad(loss_of(linear_token_stats(*args, ids, **kwargs), grads), [leaf])
-        assert torch.equal(grad, expected)
+        assert torch.equal(grad.cpu(), expected)
 
 
-def test_same_inputs_give_bitwise_identical_results():
+def test_same_inputs_give_bitwise_identical_results(device):
     gen = torch.Generator().manual_seed(13)
     hidden, weight = random_layer(16, 32, 4099, torch.float32, gen)
     ids = make_ids(16, 4099, 9, gen)
     kwargs = dict(with_entropy=True, temperature=0.7, chunk_rows=5)
-    first = head_with_grad(linear_token_stats, hidden, weight, ids, **kwargs)
-    second = head_with_grad(linear_token_stats, hidden, weight, ids, **kwargs)
+    first = head_with_grad(linear_token_stats, hidden, weight, ids, device=device, **kwargs)
+    second = head_with_grad(linear_token_stats, hidden, weight, ids, device=device, **kwargs)
     for a, b in zip(first[0], second[0]):
         assert torch.equal(a, b)
     for a, b in zip(first[2], second[2]):
@@ -149,19 +158,20 @@ def test_same_inputs_give_bitwise_identical_results():
 
 
 @pytest.mark.parametrize("rows", [None, list(range(0, 64, 2))])
-def test_one_chunk_of_logits_is_alive_at_a_time(rows):
+def test_one_chunk_of_logits_is_alive_at_a_time(rows, device):
     """Peak allocations of forward and backward, less the returned gradients, stay within one
     chunk's logits plus per-row bookkeeping: far below the [T, V] logits."""
     gen = torch.Generator().manual_seed(4)
     num_rows, width, vocab, num_ids, chunk = 64, 16, 2000, 3, 8
     hidden, weight = random_layer(num_rows, width, vocab, torch.float32, gen)
-    rows = None if rows is None else torch.tensor(rows)
+    rows = None if rows is None else torch.tensor(rows, device=device)
     selected = num_rows if rows is None else rows.numel()
-    ids = make_ids(selected, vocab, num_ids, gen)
-    hidden.requires_grad_(True)
-    weight.requires_grad_(True)
+    ids = make_ids(selected, vocab, num_ids, gen).to(device)
+    hidden = hidden.to(device).requires_grad_(True)
+    weight = weight.to(device).requires_grad_(True)
     chunk_logits = chunk * vocab * 4
-    bookkeeping = 16 * selected * (3 + num_ids) * 4 + 2 * chunk * width * 4
+    # per row: the partials and the float64 combine's temporaries; per chunk: the gathered rows
+    bookkeeping = 16 * selected * (3 + num_ids) * 8 + 2 * chunk * width * 4
     with TensorTally() as tally:
         stats = linear_token_stats(hidden, weight, ids, rows=rows, with_entropy=True, chunk_rows=chunk)
         forward_peak = tally.peak()
@@ -186,6 +196,7 @@ def test_default_chunk_rows_follows_its_stated_rules():
 
 
 def test_cpu_without_interpreter_takes_the_unfused_path(monkeypatch):
+    """CPU only, whatever the test device: the CPU dispatch outside the interpreter."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     gen = torch.Generator().manual_seed(17)
     hidden, weight = random_layer(5, 8, 30, torch.float32, gen)

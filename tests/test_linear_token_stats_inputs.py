@@ -1,6 +1,7 @@
 """Bad input to linear_token_stats fails early with a ValueError naming the argument and the value:
 the layer's own checks (shapes, H and dtype mismatches, chunk_rows) and token_stats' checks of ids,
-rows and temperature, with the same messages."""
+rows and temperature, with the same messages. The checks run before any kernel, the same on every
+device: CPU tensors here, whatever FUSEDRL_TEST_DEVICE says."""
 
 import math
 

@@ -5,7 +5,8 @@ its weight gradient its own slice of the true one, and its hidden-state gradient
 partial sum: the ranks' partials add up to the true gradient, and megatron-core's
 `copy_to_tensor_model_parallel_region` (what ColumnParallelLinear does) turns them into it on
 every rank. The forward costs exactly one collective whatever the number of chunks; the backward
-none of its own.
+none of its own. The ranks run on CPU, in the Triton interpreter, whatever FUSEDRL_TEST_DEVICE
+says (gloo has no CUDA collectives); the float64 truth is computed on CPU.
 """
 
 import pytest

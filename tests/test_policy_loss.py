@@ -5,14 +5,15 @@ PPO clip, dual clip, CISPO and REINFORCE, with and without entropy and KL, under
 --loss-aggregation mode.
 
 Prompt and padding rows of the logits are NaN (a huge finite value under allgather-CP, where
-slime's wrapper itself touches every row): only response rows are read.
+slime's wrapper itself touches every row): only response rows are read. tp = cp = 1 runs on the
+`device` fixture's device; tp or cp > 1 on CPU gloo workers (`slime_harness.run_loss_on_ranks`).
 """
 
 import pytest
 import torch
+from device import to_device
 
 from fusedrl.slime_ext.losses import policy_loss
-from distributed import get_pool
 from slime_harness import (
     RESPONSES,
     TOTALS,
@@ -25,6 +26,7 @@ from slime_harness import (
     rank_response_positions,
     reference_losses,
     reference_response_stats,
+    run_loss_on_ranks,
     slime_args,
     top_p_replay,
 )
@@ -109,9 +111,9 @@ def _batch(samples, args, info_cp_rank, cp_size, replay):
     return batch
 
 
-def _rank_policy_loss(info, samples, full_logits, args, replay):
+def _rank_policy_loss(info, samples, full_logits, args, replay, device):
     batch = _batch(samples, args, info.cp_rank, info.cp_size, replay)
-    return rank_loss_and_grad(info, full_logits, args, batch, policy_loss)
+    return rank_loss_and_grad(info, full_logits, args, batch, policy_loss, device)
 
 
 CASES = {
@@ -132,7 +134,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_policy_loss_matches_slime_reference(case):
+def test_policy_loss_matches_slime_reference(case, device):
     tp, cp, overrides = CASES[case]
     args = slime_args(**overrides)
     samples = make_samples(21, TOTALS, RESPONSES, VOCAB)
@@ -148,7 +150,7 @@ def test_policy_loss_matches_slime_reference(case):
         lambda cp_rank: lambda a, b, logits, reducer: reference_policy_loss(a, b, stats, reducer, cp_rank, cp),
     )
     ref_grads = torch.autograd.grad(sum(loss for loss, _ in expected), ref_logits)
-    results = get_pool(tp, cp).run(_rank_policy_loss, samples, full_logits, args, replay)
+    results = run_loss_on_ranks(tp, cp, device, _rank_policy_loss, samples, full_logits, args, replay)
     assert_ranks_match_reference(results, expected, ref_grads, args)
 
 
@@ -160,7 +162,7 @@ def test_policy_loss_needs_top_p_replay_data_when_top_p_below_one():
         policy_loss(slime_args(rollout_top_p=0.9), batch, logits, lambda x: x.sum())
 
 
-def test_policy_loss_with_no_response_token_on_this_rank_keeps_the_graph():
+def test_policy_loss_with_no_response_token_on_this_rank_keeps_the_graph(device):
     samples = make_samples(4, [3], [1], VOCAB)
     batch = micro_batch(samples, 0, 1)
     batch["loss_masks"] = [torch.zeros(1, dtype=torch.int)]
@@ -168,19 +170,20 @@ def test_policy_loss_with_no_response_token_on_this_rank_keeps_the_graph():
     for key in ("advantages", "log_probs", "ref_log_probs", "rollout_log_probs"):
         batch[key] = [batch[key][0][:0]]
     batch["loss_masks"] = [batch["loss_masks"][0][:0]]
-    logits = torch.randn(1, 4, VOCAB, requires_grad=True)
+    batch = to_device(batch, device)
+    logits = torch.randn(1, 4, VOCAB).to(device).requires_grad_(True)
     loss, metrics = policy_loss(slime_args(), batch, logits, lambda x: x.sum() * 0)
     loss.backward()
     assert float(loss.detach()) == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
     assert float(metrics["pg_loss"]) == 0.0
 
 
-def test_policy_loss_is_bitwise_deterministic():
+def test_policy_loss_is_bitwise_deterministic(device):
     args = slime_args(entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, rollout_top_p=0.9, rollout_temperature=0.8)
     samples = make_samples(9, TOTALS, RESPONSES, VOCAB)
-    batch = micro_batch(samples, 0, 1)
+    batch = to_device(micro_batch(samples, 0, 1), device)
     batch["rollout_top_p_token_ids"], batch["rollout_top_p_token_offsets"] = top_p_replay(9, RESPONSES, VOCAB)
-    full = torch.cat(make_logits(9, TOTALS, VOCAB)).float().unsqueeze(0)
+    full = torch.cat(make_logits(9, TOTALS, VOCAB)).float().unsqueeze(0).to(device)
     runs = []
     for _ in range(2):
         logits = full.clone().requires_grad_()

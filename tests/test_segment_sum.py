@@ -2,14 +2,16 @@
 
 Shapes are chosen to break things: N not a multiple of the row block, more row blocks than the
 final reduction adds per step (two loop steps), C above the channel block (two channel blocks),
-strided values, empty and fully masked segments, segments in scattered order, N = 0.
+strided values, empty and fully masked segments, segments in scattered order, N = 0. The kernels
+run on the `device` fixture's device, the float64 reference on CPU; the input checks, the same on
+every device, get CPU tensors.
 """
 
 import math
 
 import pytest
 import torch
-from device import on_cpu
+from device import to_device
 from numerics import rel_err
 from sm90 import Launch, compile_for_hopper
 
@@ -35,12 +37,16 @@ def make_inputs(num_rows, num_channels, num_segments, seed, dtype=torch.float32,
     return values, mask, segments, denominators
 
 
-def value_and_grad(fn, values, mask, segments, denominators, upstream_seed=3):
+def value_and_grad(fn, values, mask, segments, denominators, upstream_seed=3, device=None):
+    """fn's output and the values gradient of a random combination of it, on CPU; with a `device`,
+    fn runs on copies of the inputs moved there."""
+    if device is not None:
+        values, mask, segments, denominators = to_device((values, mask, segments, denominators), device)
     values = values.detach().requires_grad_(True)
     out = fn(values, mask, segments, denominators)
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(upstream_seed), dtype=torch.float64)
-    (grad,) = torch.autograd.grad((out.double() * upstream).sum(), values)
-    return out, grad
+    (grad,) = torch.autograd.grad((out.double() * upstream.to(out.device)).sum(), values)
+    return out.cpu(), grad.cpu()
 
 
 SHAPES = [
@@ -54,9 +60,9 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("num_rows,num_channels,num_segments", SHAPES)
-def test_fp32_matches_float64_reference(num_rows, num_channels, num_segments):
+def test_fp32_matches_float64_reference(num_rows, num_channels, num_segments, device):
     inputs = make_inputs(num_rows, num_channels, num_segments, seed=num_rows)
-    out, grad = value_and_grad(segment_sum, *inputs)
+    out, grad = value_and_grad(segment_sum, *inputs, device=device)
     truth_inputs = (inputs[0].double(),) + inputs[1:]
     truth, truth_grad = value_and_grad(segment_sum_reference, *truth_inputs)
     assert out.dtype == torch.float32 and out.shape == truth.shape
@@ -65,9 +71,9 @@ def test_fp32_matches_float64_reference(num_rows, num_channels, num_segments):
     assert rel_err(grad, truth_grad) < FP32_TOL
 
 
-def test_float64_is_exact_to_float64_rounding():
+def test_float64_is_exact_to_float64_rounding(device):
     inputs = make_inputs(1029, 3, 11, seed=5, dtype=torch.float64)
-    out, grad = value_and_grad(segment_sum, *inputs)
+    out, grad = value_and_grad(segment_sum, *inputs, device=device)
     truth, truth_grad = value_and_grad(segment_sum_reference, *inputs)
     assert out.dtype == torch.float64
     assert rel_err(out, truth) < 1e-13
@@ -83,9 +89,9 @@ def eager_same_dtype(values, mask, segments, denominators):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_no_worse_than_eager_in_that_dtype(dtype):
+def test_low_precision_no_worse_than_eager_in_that_dtype(dtype, device):
     values, mask, segments, denominators = make_inputs(700, 4, 6, seed=11, dtype=dtype)
-    out, grad = value_and_grad(segment_sum, values, mask, segments, denominators)
+    out, grad = value_and_grad(segment_sum, values, mask, segments, denominators, device=device)
     truth, truth_grad = value_and_grad(segment_sum_reference, values.double(), mask, segments, denominators)
     eager = eager_same_dtype(values, mask, segments, denominators)
     assert out.dtype == torch.float32  # accumulated and returned in fp32
@@ -95,18 +101,19 @@ def test_low_precision_no_worse_than_eager_in_that_dtype(dtype):
     assert rel_err(grad, truth_grad) <= torch.finfo(dtype).eps
 
 
-def test_strided_values_read_in_place():
+def test_strided_values_read_in_place(device):
     base, mask, segments, denominators = make_inputs(257, 6, 4, seed=2)
     strided = base.t().contiguous().t()[:, ::2]  # column-major, every other column
-    out, grad = value_and_grad(segment_sum, strided, mask, segments, denominators)
+    on_device = base.to(device).t().contiguous().t()[:, ::2]  # made where it lives: a copy would be contiguous
+    out, grad = value_and_grad(segment_sum, on_device, mask, segments, denominators, device=device)
     truth, truth_grad = value_and_grad(segment_sum_reference, strided.double(), mask, segments, denominators)
     assert rel_err(out, truth) < FP32_TOL and rel_err(grad, truth_grad) < FP32_TOL
 
 
-def test_empty_and_fully_masked_segments_contribute_nothing():
+def test_empty_and_fully_masked_segments_contribute_nothing(device):
     values, mask, segments, denominators = make_inputs(400, 2, 6, seed=9)
     values[segments == 0] = 1e6  # fully masked segment: large values must vanish
-    out, grad = value_and_grad(segment_sum, values, mask, segments, denominators)
+    out, grad = value_and_grad(segment_sum, values, mask, segments, denominators, device=device)
     kept = segments != 0
     truth = segment_sum_reference(values[kept], mask[kept], segments[kept], denominators)
     assert rel_err(out, truth) < FP32_TOL
@@ -114,46 +121,47 @@ def test_empty_and_fully_masked_segments_contribute_nothing():
     assert (segments == denominators.numel() - 1).sum() == 0  # the last segment is empty
 
 
-def test_order_of_tokens_does_not_matter():
+def test_order_of_tokens_does_not_matter(device):
     values, mask, segments, denominators = make_inputs(600, 3, 8, seed=4, dtype=torch.float64)
     order = torch.randperm(600, generator=torch.Generator().manual_seed(1))
-    scattered = segment_sum(values[order], mask[order], segments[order], denominators)
-    grouped = segment_sum(values, mask, segments, denominators)
+    scattered = segment_sum(*to_device((values[order], mask[order], segments[order], denominators), device))
+    grouped = segment_sum(*to_device((values, mask, segments, denominators), device))
     assert rel_err(scattered, grouped) < 1e-13
 
 
-def test_float_mask_weights_tokens():
+def test_float_mask_weights_tokens(device):
     values, _, segments, denominators = make_inputs(300, 2, 5, seed=6)
     weights = torch.rand(300, generator=torch.Generator().manual_seed(0))
-    out = segment_sum(values, weights, segments, denominators)
+    out = segment_sum(*to_device((values, weights, segments, denominators), device)).cpu()
     assert rel_err(out, segment_sum_reference(values.double(), weights, segments, denominators)) < FP32_TOL
 
 
-def test_bool_mask_and_int32_segment_ids():
+def test_bool_mask_and_int32_segment_ids(device):
     values, mask, segments, denominators = make_inputs(300, 2, 5, seed=8)
-    out = segment_sum(values, mask.bool(), segments.int(), denominators.float())
+    out = segment_sum(*to_device((values, mask.bool(), segments.int(), denominators.float()), device)).cpu()
     assert rel_err(out, segment_sum_reference(values.double(), mask, segments, denominators)) < FP32_TOL
 
 
-def test_no_tokens_gives_zeros_and_an_empty_gradient():
-    values = torch.zeros(0, 3, requires_grad=True)
-    out = segment_sum(values, torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.ones(2))
+def test_no_tokens_gives_zeros_and_an_empty_gradient(device):
+    out, grad = value_and_grad(
+        segment_sum, torch.zeros(0, 3), torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.ones(2), device=device
+    )
     assert torch.equal(out, torch.zeros(3))
-    (grad,) = torch.autograd.grad(out.sum(), values)
     assert grad.shape == (0, 3)
 
 
-def test_deterministic_bitwise():
+def test_deterministic_bitwise(device):
     inputs = make_inputs(4400, 16, 9, seed=12)
-    first = value_and_grad(segment_sum, *inputs)
-    second = value_and_grad(segment_sum, *inputs)
+    first = value_and_grad(segment_sum, *inputs, device=device)
+    second = value_and_grad(segment_sum, *inputs, device=device)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
 
 def test_cpu_without_interpreter_takes_the_reference(monkeypatch):
+    """CPU only, whatever the test device: the CPU dispatch outside the interpreter."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     inputs = make_inputs(50, 2, 3, seed=1)
-    assert torch.equal(on_cpu(segment_sum)(*inputs), segment_sum_reference(*inputs))
+    assert torch.equal(segment_sum(*inputs), segment_sum_reference(*inputs))
 
 
 VALUES = torch.randn(5, 2)
@@ -201,8 +209,9 @@ def test_bad_input_raises_value_error_naming_it(overrides, message):
         segment_sum(**args)
 
 
-def test_validation_can_be_switched_off_for_values_not_shapes():
-    out = segment_sum(VALUES, with_value(MASK.float(), 0, math.nan), SEGMENTS, DENOMS, validate=False)
+def test_validation_can_be_switched_off_for_values_not_shapes(device):
+    inputs = to_device((VALUES, with_value(MASK.float(), 0, math.nan), SEGMENTS, DENOMS), device)
+    out = segment_sum(*inputs, validate=False)
     assert torch.isnan(out).all()
     with pytest.raises(ValueError, match="mask must have N = 5 entries"):
         segment_sum(VALUES, MASK[:4], SEGMENTS, DENOMS, validate=False)

@@ -2,13 +2,16 @@
 float64 implementation of the SFC formulas (docs/math.md) written here: loss, metrics and logits
 gradient at tp = 1, 2 and cp = 1, 2 (zigzag and allgather), K = 1, 4 and 8, fresh and stale tokens
 mixed, repeated draws and draws equal to the sampled token, each --sfc-loss-agg-mode. Prompt and
-padding rows of the logits are NaN (huge under allgather-CP): only response rows are read.
+padding rows of the logits are NaN (huge under allgather-CP): only response rows are read. Kernels
+run on the `device` fixture's device, except under tp or cp > 1: there on CPU gloo workers
+(`slime_harness.run_loss_on_ranks`).
 """
 
 import math
 
 import pytest
 import torch
+from device import to_device
 
 from fusedrl.slime_ext.carry import SFC_DRAWS_KEY as DRAWS_KEY
 from fusedrl.slime_ext.carry import SFC_VERSIONS_KEY as VERSIONS_KEY
@@ -20,7 +23,7 @@ from fusedrl.slime_ext.losses.sfc import (
     sfc_loss,
     sfc_token_loss,
 )
-from distributed import RankInfo, get_pool
+from distributed import RankInfo
 from numerics import assert_parity
 from slime_harness import (
     RESPONSES,
@@ -34,6 +37,7 @@ from slime_harness import (
     rank_loss_and_grad,
     rank_response_positions,
     reference_losses,
+    run_loss_on_ranks,
     slime_args,
 )
 
@@ -121,12 +125,18 @@ def reference_sfc(args, batch, full_logits, samples, draws, versions, reducer, c
 # ----------------------------------------------------------------------------- cases
 
 
-def _rank_sfc_loss(info, samples, draws, versions, full_logits, args):
+def _rank_sfc_loss(info, samples, draws, versions, full_logits, args, device):
+    """One rank's loss with the age clock at PUSHES / STEPS_STARTED (restored after: tp = cp = 1
+    runs in the test process)."""
     from fusedrl.slime_ext.age import CLOCK
 
+    saved = CLOCK.push_steps, CLOCK.steps_started
     CLOCK.push_steps, CLOCK.steps_started = dict(PUSHES), STEPS_STARTED
-    batch = carried_batch(samples, draws, versions, info.cp_rank, info.cp_size)
-    return rank_loss_and_grad(info, full_logits, args, batch, sfc_loss)
+    try:
+        batch = carried_batch(samples, draws, versions, info.cp_rank, info.cp_size)
+        return rank_loss_and_grad(info, full_logits, args, batch, sfc_loss, device)
+    finally:
+        CLOCK.push_steps, CLOCK.steps_started = saved
 
 
 CASES = {
@@ -139,7 +149,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_sfc_loss_matches_reference(case):
+def test_sfc_loss_matches_reference(case, device):
     tp, cp, num_draws, agg_mode, overrides = CASES[case]
     args = sfc_args(num_draws, agg_mode, **overrides)
     samples = make_samples(31, TOTALS, RESPONSES, VOCAB)
@@ -154,7 +164,7 @@ def test_sfc_loss_matches_reference(case):
         lambda cp_rank: lambda a, b, logits, reducer: reference_sfc(a, b, ref_logits, samples, draws, versions, reducer, cp_rank, cp),
     )
     ref_grads = torch.autograd.grad(sum(loss for loss, _ in expected), ref_logits)
-    results = get_pool(tp, cp).run(_rank_sfc_loss, samples, draws, versions, full_logits, args)
+    results = run_loss_on_ranks(tp, cp, device, _rank_sfc_loss, samples, draws, versions, full_logits, args)
     assert_ranks_match_reference(results, expected, ref_grads, args)
 
 
@@ -172,12 +182,15 @@ def _fresh_case(num_draws, seed=5, rows=7, vocab=33):
 
 
 @pytest.mark.parametrize("num_draws", [1, 8])
-def test_centered_score_gradient_on_fresh_tokens_is_the_pure_scatter(num_draws):
+def test_centered_score_gradient_on_fresh_tokens_is_the_pure_scatter(num_draws, device):
     """-A (e_a - mean_k e_{v_k}) / tau and nothing else: no softmax term leaks into any column."""
     logits, ids, advantages = _fresh_case(num_draws)
     tau = 0.8
-    loss = sfc_token_loss(centered_scores(logits, ids, temperature=tau), advantages, torch.zeros(len(ids))).sum()
-    (grad,) = torch.autograd.grad(loss, logits)
+    leaf, on_device = logits.detach().to(device).requires_grad_(), to_device((ids, advantages), device)
+    scores = centered_scores(leaf, on_device[0], temperature=tau)
+    loss = sfc_token_loss(scores, on_device[1], torch.zeros(len(ids), device=device)).sum()
+    (grad,) = torch.autograd.grad(loss, leaf)
+    grad = grad.cpu()
     expected = torch.zeros(logits.shape, dtype=torch.float64)
     rows = torch.arange(len(ids))[:, None]
     expected.index_put_((rows[:, 0], ids[:, 0]), -advantages.double() / tau, accumulate=True)
@@ -208,10 +221,10 @@ def test_centered_scores_reject_bad_shapes():
         sfc_token_loss(scores, advantages[:-1], torch.zeros(len(ids)))
 
 
-def test_head_weights_center_on_the_weighted_head():
+def test_head_weights_center_on_the_weighted_head(device):
     logits, ids, _ = _fresh_case(3)
     weights = torch.softmax(torch.randn(len(ids), 3, generator=torch.Generator().manual_seed(1)), -1)
-    scores = centered_scores(logits, ids, draw_weights=weights)
+    scores = centered_scores(*to_device((logits, ids), device), draw_weights=weights.to(device))
     z = logits.detach().double()
     expected = z.gather(1, ids[:, :1])[:, 0] - (z.gather(1, ids[:, 1:]) * weights.double()).sum(-1)
     assert_parity(scores.centered_score, expected, 1e-6)

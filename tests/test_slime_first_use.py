@@ -42,7 +42,8 @@ def test_args_from_slimes_own_parser_are_refused_with_the_flag_named(overrides, 
         (dict(loss_aggregation="prompt_mean", rollout_function_path="my.rollout", loss_aggregation_inner_rollout_function_path=None), "--rollout-function-path must be"),
         (dict(custom_loss_function_path=sfc.LOSS_PATHS[0], sfc_num_auxiliary_token_samples=2, sfc_kl_beta=0.1, custom_generate_function_path=None), "--custom-generate-function-path must be"),
         (dict(loss_type="policy_loss", loss_aggregation="constant", loss_aggregation_divisor=8.0), "--custom-pg-loss-reducer-function-path must be"),
-        (dict(loss_aggregation="prompt_mean", num_steps_per_rollout=2), "--num-steps-per-rollout"),
+        (dict(loss_type="policy_loss", loss_aggregation="prompt_mean"), "--custom-pg-loss-reducer-function-path must be"),
+        (dict(loss_aggregation="prompt_mean", n_samples_per_prompt=2, global_batch_size=3), "--global-batch-size 3 is not a multiple"),
     ],
 )
 def test_settings_only_the_startup_checks_can_make_are_refused(overrides, named):

@@ -14,9 +14,10 @@ import torch
 from slime_harness import slime_args
 
 import fusedrl.slime_ext as slime_ext
-from fusedrl.slime_ext import age, logprobs, patching
+from fusedrl.slime_ext import age, arguments, logprobs, patching
 from fusedrl.slime_ext import train as entry
 from fusedrl.slime_ext.arguments import add_fusedrl_arguments
+from fusedrl.slime_ext.flags.aggregation import REDUCER_PATH
 
 
 def _get_log_probs_and_entropy(
@@ -36,6 +37,12 @@ def _get_batch(data_iterator, keys, pad_multiplier=128, qkv_format="thd", allgat
     return {"multimodal_train_inputs": {"fusedrl_draws": torch.ones(2), "pixel_values": torch.zeros(1)}}
 
 
+def _policy_loss_function(args, batch, logits, sum_of_sample_mean):
+    from fusedrl.slime_ext import micro_batch
+
+    return micro_batch.current()
+
+
 def _module(name, **attrs):
     module = types.ModuleType(name)
     module.__dict__.update(attrs)
@@ -53,7 +60,7 @@ def fake_slime(monkeypatch):
     modules = {
         "slime.backends.megatron_utils.loss": _module(
             "loss", get_log_probs_and_entropy=_get_log_probs_and_entropy,
-            calculate_log_probs_and_entropy=_calculate_log_probs_and_entropy,
+            calculate_log_probs_and_entropy=_calculate_log_probs_and_entropy, policy_loss_function=_policy_loss_function,
         ),
         "slime.utils.ppo_utils": _module("ppo_utils", calculate_log_probs_and_entropy=_calculate_log_probs_and_entropy),
         "slime.backends.megatron_utils.data": _module("data", get_batch=_get_batch),
@@ -99,6 +106,41 @@ def test_install_twice_is_harmless_and_reaches_modules_loaded_since(fake_slime, 
         assert getattr(modules["slime.backends.megatron_utils.model"], name) is first[name]
         assert getattr(late, name) is first[name]
     assert set(patching.installed()) == {f"{t.module}.{t.name}" for t in patching.TARGETS}
+
+
+def test_keep_slime_log_probs_leaves_the_log_prob_path_alone(fake_slime):
+    modules, originals = fake_slime
+    slime_ext.install(argparse.Namespace(fusedrl_keep_slime_log_probs=True))
+    model = modules["slime.backends.megatron_utils.model"]
+    assert model.get_log_probs_and_entropy is originals["get_log_probs_and_entropy"]
+    assert model.calculate_log_probs_and_entropy is originals["calculate_log_probs_and_entropy"]
+    assert model.get_batch.__wrapped__ is originals["get_batch"]  # carried data still kept out of the model
+
+
+def test_slimes_policy_loss_publishes_its_batch_only_for_the_packages_reducer(fake_slime):
+    modules, _ = fake_slime
+    loss = modules["slime.backends.megatron_utils.loss"]
+    original = loss.policy_loss_function  # (install rebinds this test module's name for it too)
+    slime_ext.install(argparse.Namespace(custom_pg_loss_reducer_function_path=None))
+    assert loss.policy_loss_function is original
+    slime_ext.install(slime_args(loss_type="policy_loss", custom_loss_function_path=None, loss_aggregation="constant",
+                                 loss_aggregation_divisor=8.0, custom_pg_loss_reducer_function_path=REDUCER_PATH))
+    batch = {"loss_masks": []}
+    assert loss.policy_loss_function(None, batch, None, None) is batch
+    assert loss.policy_loss_function.__wrapped__ is original
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--loss-aggregation", "prompt_mean"], "--loss-aggregation on the command line"),
+    (["--sfc-kl-beta=0.3", "--fusedrl-keep-slime-log-probs"], "--fusedrl-keep-slime-log-probs, --sfc-kl-beta on the command line"),
+])
+def test_install_refuses_package_flags_slimes_parser_dropped(fake_slime, monkeypatch, argv, named):
+    monkeypatch.setattr(sys, "argv", ["train.py", "--custom-megatron-init-path", "fusedrl.slime_ext.install", *argv])
+    with pytest.raises(ValueError, match=rf"{named} never reached slime's args: .*python -m fusedrl.slime_ext.train"):
+        slime_ext.install(argparse.Namespace(loss_type="policy_loss"))
+    assert patching.installed() == {}
+    parsed_by_the_entry_point = argparse.Namespace(loss_aggregation="prompt_mean", sfc_kl_beta=0.3, fusedrl_keep_slime_log_probs=True)
+    arguments.refuse_dropped_flags(parsed_by_the_entry_point, sys.argv[1:])  # nothing dropped
 
 
 def test_uninstall_restores_every_original(fake_slime, monkeypatch):

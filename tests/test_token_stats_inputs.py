@@ -1,4 +1,7 @@
-"""Bad input to token_stats fails early with a ValueError naming the argument and the value."""
+"""Bad input to token_stats fails early with a ValueError naming the argument and the value.
+
+The checks run before any kernel and read only shapes, dtypes, devices and values, the same on every
+device: CPU tensors here, whatever FUSEDRL_TEST_DEVICE says."""
 
 import math
 

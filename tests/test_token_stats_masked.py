@@ -3,12 +3,13 @@
 Masked vocabularies (grammar-constrained decoding, banned tokens, -inf padding) give the right
 finite logp, entropy and gradient, exactly 0 at -inf columns: a first block all -inf, the only
 finite column in a later block, a TP rank whose whole shard is -inf. A NaN logit poisons its own
-row only; +inf and all -inf rows are NaN (documented in `token_stats`).
+row only; +inf and all -inf rows are NaN (documented in `token_stats`). The kernels run on the
+`device` fixture's device, the float64 reference on CPU.
 """
 
 import pytest
 import torch
-from device import to_device
+from device import to_cpu, to_device
 from numerics import rel_err
 
 from fusedrl.kernels import token_stats, token_stats_reference
@@ -36,20 +37,23 @@ def finite_ids(logits, num_ids, generator):
     return torch.multinomial(weights, num_ids, replacement=True, generator=generator)
 
 
-def value_and_grad(fn, logits, ids, grad_of=("logp", "entropy", "scores"), **kwargs):
-    leaf = logits.detach().clone().requires_grad_(True)
+def value_and_grad(fn, logits, ids, grad_of=("logp", "entropy", "scores"), device=None, **kwargs):
+    """fn's outputs and the logits gradient of a random combination of them, on CPU; with a
+    `device`, fn runs on copies of logits and ids moved there."""
+    leaf = logits.detach().clone()
+    if device is not None:
+        leaf, ids = leaf.to(device), ids.to(device)
+    leaf.requires_grad_(True)
     stats = fn(leaf, ids, **kwargs)
     gen = torch.Generator().manual_seed(3)
-    loss = sum(
-        (getattr(stats, name).double() * torch.randn(getattr(stats, name).shape, generator=gen).double()).sum()
-        for name in grad_of
-    )
+    weights = [torch.randn(getattr(stats, name).shape, generator=gen).double() for name in grad_of]
+    loss = sum((getattr(stats, name).double() * w.to(leaf.device)).sum() for name, w in zip(grad_of, weights))
     (grad,) = torch.autograd.grad(loss, leaf)
-    return stats, grad
+    return to_cpu(stats), grad.cpu()
 
 
-def assert_matches_reference(logits, ids, grad_of=("logp", "entropy", "scores"), **kwargs):
-    stats, grad = value_and_grad(token_stats, logits, ids, grad_of, with_entropy=True, **kwargs)
+def assert_matches_reference(logits, ids, device, grad_of=("logp", "entropy", "scores"), **kwargs):
+    stats, grad = value_and_grad(token_stats, logits, ids, grad_of, device, with_entropy=True, **kwargs)
     truth, truth_grad = value_and_grad(token_stats_reference, logits.double(), ids, grad_of, with_entropy=True, **kwargs)
     for out, ref in zip(stats, truth):
         assert torch.isfinite(out).all() and torch.isfinite(ref).all()
@@ -62,15 +66,15 @@ def assert_matches_reference(logits, ids, grad_of=("logp", "entropy", "scores"),
 
 
 @pytest.mark.parametrize("vocab", [7, 1000, 9001])
-def test_random_masks_give_finite_values_and_zero_gradient_at_masked_columns(vocab):
+def test_random_masks_give_finite_values_and_zero_gradient_at_masked_columns(vocab, device):
     gen = torch.Generator().manual_seed(vocab)
     logits = masked_logits(16, vocab, gen)
     logits[:, 0] = 0.5  # at least one finite column per row
     ids = finite_ids(logits, 3, gen)
-    assert_matches_reference(logits, ids, temperature=0.7)
+    assert_matches_reference(logits, ids, device, temperature=0.7)
 
 
-def test_first_block_all_minus_inf_and_single_finite_column_in_a_later_block():
+def test_first_block_all_minus_inf_and_single_finite_column_in_a_later_block(device):
     gen = torch.Generator().manual_seed(1)
     vocab = 9001  # three 4096-column blocks
     logits = torch.randn(4, vocab, generator=gen)
@@ -80,20 +84,20 @@ def test_first_block_all_minus_inf_and_single_finite_column_in_a_later_block():
     logits[2, :4096] = NEG_INF
     logits[2, 4096:8192] = NEG_INF  # two whole blocks -inf, the rest finite
     ids = torch.tensor([[6000, 5000], [8500, 8500], [9000, 8200], [0, 1]])
-    assert_matches_reference(logits, ids)
-    stats = token_stats(logits, ids, with_entropy=True)
+    assert_matches_reference(logits, ids, device)
+    stats = to_cpu(token_stats(logits.to(device), ids.to(device), with_entropy=True))
     assert stats.logp[1].eq(0).all() and stats.entropy[1] == 0
 
 
-def test_entropy_on_logp_only_backpropagated_gives_zero_gradient_at_masked_columns():
+def test_entropy_on_logp_only_backpropagated_gives_zero_gradient_at_masked_columns(device):
     gen = torch.Generator().manual_seed(2)
     logits = masked_logits(12, 777, gen)
     logits[:, 5] = 0.0
     ids = finite_ids(logits, 1, gen)
-    assert_matches_reference(logits, ids, grad_of=("logp",))
+    assert_matches_reference(logits, ids, device, grad_of=("logp",))
 
 
-def test_tp_rank_with_an_all_minus_inf_shard():
+def test_tp_rank_with_an_all_minus_inf_shard(device):
     """Two vocabulary shards combined as TP ranks would be: shard 1 is -inf in every row."""
     gen = torch.Generator().manual_seed(4)
     shard, num_rows = 600, 6
@@ -104,20 +108,20 @@ def test_tp_rank_with_an_all_minus_inf_shard():
     full[0, shard + 400] = -1.0
     ids = finite_ids(full, 2, gen)
     temperature = 0.9
-    shards = [to_device(full[:, :shard].contiguous()), to_device(full[:, shard:].contiguous())]
+    shards = [full[:, :shard].contiguous().to(device), full[:, shard:].contiguous().to(device)]
     partials = torch.stack([
-        row_partials(s, to_device(ids), None, r * shard, temperature, True) for r, s in enumerate(shards)
+        row_partials(s, ids.to(device), None, r * shard, temperature, True) for r, s in enumerate(shards)
     ]).cpu()
-    lse, mean_z, entropy, scores = combine_partials(partials)
+    logp, entropy, scores, softmax_state = combine_partials(partials, temperature)
     truth, truth_grad = value_and_grad(token_stats_reference, full.double(), ids, with_entropy=True, temperature=temperature)
-    assert torch.isfinite(lse).all() and torch.isfinite(entropy).all()
-    assert rel_err(scores - lse[:, None], truth.logp) < FP32_TOL
+    assert torch.isfinite(softmax_state).all() and torch.isfinite(entropy).all()
+    assert rel_err(logp, truth.logp) < FP32_TOL
     assert rel_err(entropy, truth.entropy) < FP32_TOL
     gen = torch.Generator().manual_seed(3)
     grads = [torch.randn(t.shape, generator=gen) for t in truth]
-    per_row = to_device((ids, lse, mean_z, grads))
+    per_row = to_device((ids, softmax_state, grads), device)
     grad = torch.cat([
-        logits_grad(torch.empty_like(s), s, per_row[0], None, *per_row[1:3], *per_row[3], r * shard, temperature).cpu()
+        logits_grad(torch.empty_like(s), s, per_row[0], None, per_row[1], *per_row[2], r * shard, temperature).cpu()
         for r, s in enumerate(shards)
     ], dim=1)
     assert torch.isfinite(grad).all() and (grad[full == NEG_INF] == 0).all()
@@ -127,7 +131,7 @@ def test_tp_rank_with_an_all_minus_inf_shard():
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), "all -inf"])
 @pytest.mark.parametrize("fn", [token_stats, token_stats_reference])
-def test_a_row_without_a_distribution_is_nan_and_poisons_only_itself(fn, poison):
+def test_a_row_without_a_distribution_is_nan_and_poisons_only_itself(fn, poison, device):
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(5, 4099, generator=gen)
     ids = torch.randint(0, 4099, (5, 2), generator=gen)
@@ -136,8 +140,9 @@ def test_a_row_without_a_distribution_is_nan_and_poisons_only_itself(fn, poison)
         bad[2] = NEG_INF
     else:
         bad[2, 4097] = poison
-    stats, grad = value_and_grad(fn, bad, ids, with_entropy=True)
-    clean, clean_grad = value_and_grad(fn, logits, ids, with_entropy=True)
+    device = device if fn is token_stats else None  # the reference: on CPU
+    stats, grad = value_and_grad(fn, bad, ids, device=device, with_entropy=True)
+    clean, clean_grad = value_and_grad(fn, logits, ids, device=device, with_entropy=True)
     assert stats.logp[2].isnan().all() and stats.entropy[2].isnan()
     assert grad[2].isnan().any()
     others = [0, 1, 3, 4]
@@ -148,13 +153,13 @@ def test_a_row_without_a_distribution_is_nan_and_poisons_only_itself(fn, poison)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_masked_rows_stay_finite_with_exact_zero_gradient(dtype):
+def test_low_precision_masked_rows_stay_finite_with_exact_zero_gradient(dtype, device):
     gen = torch.Generator().manual_seed(6)
     logits = masked_logits(8, 4099, gen).to(dtype)
     logits[:, :4096] = NEG_INF
     logits[:, 4097] = 1.0
     ids = finite_ids(logits.float(), 2, gen)
-    stats, grad = value_and_grad(token_stats, logits, ids, with_entropy=True)
+    stats, grad = value_and_grad(token_stats, logits, ids, device=device, with_entropy=True)
     truth, _ = value_and_grad(token_stats_reference, logits.double(), ids, with_entropy=True)
     assert torch.isfinite(grad.float()).all() and (grad[logits == NEG_INF] == 0).all()
     for out, ref in zip(stats, truth):

@@ -2,7 +2,9 @@
 
 Each rank holds a column shard of the same logits. Its logp, entropy and scores must equal the
 tp = 1 result, its gradient must equal its column slice of the tp = 1 gradient, and the forward
-must cost exactly one collective and the backward none.
+must cost exactly one collective and the backward none. The ranks run on CPU, in the Triton
+interpreter, whatever FUSEDRL_TEST_DEVICE says (gloo has no CUDA collectives); the unsplit run
+they are compared with runs on the `device` fixture's device.
 """
 
 import pytest
@@ -40,14 +42,14 @@ TP_CASES = [
 
 
 @pytest.mark.parametrize("world_size,vocab_local,num_ids,with_rows,use_megatron", TP_CASES)
-def test_every_rank_matches_the_unsplit_result(world_size, vocab_local, num_ids, with_rows, use_megatron):
+def test_every_rank_matches_the_unsplit_result(world_size, vocab_local, num_ids, with_rows, use_megatron, device):
     gen = torch.Generator().manual_seed(world_size * vocab_local)
     vocab = world_size * vocab_local
     logits = random_logits(12, vocab, torch.float32, gen)
     rows = torch.tensor([0, 3, 4, 8, 11]) if with_rows else None
     ids = make_ids(12 if rows is None else rows.numel(), vocab, num_ids, gen)
     kwargs = dict(temperature=0.7, with_entropy=True)
-    whole, grads, whole_grad = run_with_grad(token_stats, logits, ids, rows=rows, **kwargs)
+    whole, grads, whole_grad = run_with_grad(token_stats, logits, ids, rows=rows, device=device, **kwargs)
     truth, _, truth_grad = run_with_grad(token_stats_reference, logits.double(), ids, grads, rows=rows, **kwargs)
 
     results = run_on_ranks(world_size, shard_worker, logits, ids, rows, grads, kwargs, use_megatron)

@@ -34,11 +34,19 @@ CHECKED = {
     "token_mean": ["--loss-aggregation", "token_mean"],
     "reinforce": POLICY_LOSS + ["--pg-loss-type", "reinforce"],
 }
-# prompt_mean next to settings that break per-rollout-call group denominators, and the flag to name.
+# prompt_mean next to settings that break its group denominators, and the flag to name: at 4 x 2,
+# 8 steps per rollout are steps of 1 rollout, half a prompt group.
 PROMPT_MEAN_BREAKERS = {
     "debug_rollout_data": (["--load-debug-rollout-data", "/nonexistent/rollout_{rollout_id}.pt"], "--load-debug-rollout-data"),
-    "steps_per_rollout": (["--num-steps-per-rollout", "2"], "--num-steps-per-rollout"),
+    "steps_per_rollout": (["--num-steps-per-rollout", "8"], "--global-batch-size 1 is not a multiple of --n-samples-per-prompt 2"),
 }
+# prompt_mean with several steps per rollout of whole groups, on fusedrl's policy loss and slime's.
+PROMPT_MEAN_STEPS = {
+    f"{loss}-{steps}steps": (argv + ["--loss-aggregation", "prompt_mean", "--num-steps-per-rollout", str(steps)])
+    for loss, argv in (("policy_loss", []), ("fusedrl", POLICY_LOSS)) for steps in (2, 4)
+}
+# slime's own train.py with the init hook and a package flag its parser drops.
+HOOK_ONLY_ARGV = ["--custom-megatron-init-path", "fusedrl.slime_ext.install", "--loss-aggregation", "prompt_mean"]
 
 
 def fusedrl_actions():
@@ -83,7 +91,7 @@ class ReadRecorder(argparse.Namespace):
 
 def observe(rank, world_size, cases):
     """Every parse the tests check, in a process that imports slime: a dict of plain values."""
-    upstream_slime.load()
+    root = upstream_slime.load()
     from slime.utils import arguments
 
     from fusedrl.slime_ext import train as entry
@@ -117,7 +125,34 @@ def observe(rank, world_size, cases):
     out["token_mean_per_token"] = parse(["--loss-aggregation", "token_mean"])[0].calculate_per_token_loss
     for name, (extra, _) in PROMPT_MEAN_BREAKERS.items():
         out["prompt_mean_errors"][name] = validate_error(parse(POLICY_LOSS + ["--loss-aggregation", "prompt_mean", *extra])[0])
+    out["prompt_mean_steps"] = {}
+    for name, argv in PROMPT_MEAN_STEPS.items():
+        args = parse(argv)[0]
+        out["prompt_mean_steps"][name] = (validate_error(args), args.loss_type, args.custom_pg_loss_reducer_function_path,
+                                          args.global_batch_size)  # fmt: skip
+    out["hook_only"] = hook_only_install_error(root)
     return out
+
+
+def hook_only_install_error(root):
+    """`python train.py ...HOOK_ONLY_ARGV` as slime runs it: its own parser (no package flags),
+    then its init hook `fusedrl.slime_ext.install(args)` in a process whose command line is that
+    one. Returns (what slime's parser dropped, the hook's error or None)."""
+    import os
+    import sys
+
+    from fusedrl.slime_ext import patching
+
+    args, unknown = upstream_slime.parse_known_args(BASE_ARGV + HOOK_ONLY_ARGV)
+    saved, sys.argv = sys.argv, [os.path.join(root, "train.py"), *BASE_ARGV, *HOOK_ONLY_ARGV]
+    try:
+        patching.install(args)
+    except ValueError as error:
+        return unknown, str(error)
+    finally:
+        sys.argv = saved
+        patching.uninstall()
+    return unknown, None
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +201,24 @@ def test_token_mean_turns_on_per_token_loss_within_slimes_parse(observed):
 def test_prompt_mean_refuses_settings_that_break_its_denominators(observed, setting):
     error = observed["prompt_mean_errors"][setting]
     assert error is not None and PROMPT_MEAN_BREAKERS[setting][1] in error, error
+
+
+@pytest.mark.parametrize("config", list(PROMPT_MEAN_STEPS))
+def test_prompt_mean_accepts_several_steps_per_rollout(observed, config):
+    """Steps of whole prompt groups are accepted (the rollout wrapper checks each rollout's groups);
+    on slime's policy loss the loss type stays (slime's log-prob reuse) and the reducer is fusedrl's."""
+    error, loss_type, reducer, global_batch_size = observed["prompt_mean_steps"][config]
+    assert error is None and global_batch_size == 8 // int(config.split("-")[-1][0])
+    if config.startswith("policy_loss"):
+        assert (loss_type, reducer) == ("policy_loss", "fusedrl.slime_ext.aggregation.get_pg_loss_reducer")
+    else:
+        assert (loss_type, reducer) == ("custom_loss", None)
+
+
+def test_init_hook_refuses_package_flags_slimes_own_train_py_dropped(observed):
+    """slime's train.py with only the init hook and --loss-aggregation prompt_mean: slime's parser
+    drops the flag, and install refuses, naming it and the entry point that parses it."""
+    unknown, error = observed["hook_only"]
+    assert unknown == ["--loss-aggregation", "prompt_mean"]
+    assert error is not None and error.startswith("--loss-aggregation on the command line never reached slime's args")
+    assert "python -m fusedrl.slime_ext.train path/to/slime/train.py" in error

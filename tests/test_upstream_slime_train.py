@@ -200,9 +200,10 @@ class Case(NamedTuple):
     """One configuration: parallel sizes (dp = world / (tp * cp)), slime + fusedrl flags, seed,
     the denominators the truth's sample-mean reducer uses to weigh pg_loss as the case's mode
     (None: slime's; "group": prompt-group mask totals, prompt_mean; "divisor": the
-    --loss-aggregation-divisor, constant), and whether the train data lacks `rollout_mask_sums`
+    --loss-aggregation-divisor, constant), whether the train data lacks `rollout_mask_sums`
     (as from a --custom-convert-samples-to-train-data-path that does not set them: slime then
-    divides by each sample's own mask total)."""
+    divides by each sample's own mask total), and --num-steps-per-rollout (the global batch is
+    the rollout over that)."""
 
     name: str
     tp: int
@@ -211,6 +212,12 @@ class Case(NamedTuple):
     seed: int
     truth_denominators: Optional[str] = None
     without_mask_sums: bool = False
+    steps: int = 1
+
+    def full_argv(self) -> List[str]:
+        """BASE_ARGV, the case's flags, its steps per rollout (the later --global-batch-size wins) and seed."""
+        steps = ["--num-steps-per-rollout", str(self.steps), "--global-batch-size", str(NUM_PROMPTS * GROUP_SIZE // self.steps)]
+        return BASE_ARGV + self.argv + steps + ["--seed", str(self.seed)]
 
 
 WORLD_SIZE = 4
@@ -233,7 +240,27 @@ CONSTANT_CASE = Case("constant-reducer-tp2-cp1-dp2", 2, 1,
                      truth_denominators="divisor")  # fmt: skip
 NO_MASK_SUMS_CASE = Case("no-rollout-mask-sums-tp1-cp2-dp2", 1, 2, PPO_ARGV + CUSTOM_LOSS + DYNAMIC_BATCHING, 9,
                          without_mask_sums=True)  # fmt: skip
-ALL_CASES = PPO_CASES + [PROMPT_MEAN_CASE, CONSTANT_CASE, NO_MASK_SUMS_CASE]
+# prompt_mean with 2 and 4 steps per rollout (4 and 2 rollouts a step: two groups, one group), on
+# fusedrl's policy loss and on slime's own (through fusedrl's pg_loss reducer), static and dynamic
+# batching, tp and cp. 4 steps of 2 samples need dynamic batching at dp = 2 (static bins of 2 make
+# one micro-batch, not one per rank).
+PROMPT_MEAN = ["--loss-aggregation", "prompt_mean"]
+MULTI_STEP_CASES = [
+    Case("prompt_mean-2steps-tp2-cp1-dp2", 2, 1, CUSTOM_LOSS + PROMPT_MEAN, 21, truth_denominators="group", steps=2),
+    Case("prompt_mean-4steps-tp1-cp2-dp2", 1, 2, CUSTOM_LOSS + PROMPT_MEAN + DYNAMIC_BATCHING, 22,
+         truth_denominators="group", steps=4),
+    Case("prompt_mean-policy_loss-2steps-tp1-cp2-dp2", 1, 2, PROMPT_MEAN + DYNAMIC_BATCHING, 23,
+         truth_denominators="group", steps=2),
+    Case("prompt_mean-policy_loss-4steps-tp2-cp1-dp2", 2, 1, PROMPT_MEAN + DYNAMIC_BATCHING, 24,
+         truth_denominators="group", steps=4),
+]  # fmt: skip
+# token_mean on slime's own policy loss: slime's per-token path, which the flag turns on.
+TOKEN_MEAN_CASE = Case("token_mean-policy_loss-tp2-cp2-dp1", 2, 2, ["--loss-aggregation", "token_mean"] + DYNAMIC_BATCHING, 25)
+ALL_CASES = PPO_CASES + [PROMPT_MEAN_CASE, CONSTANT_CASE, NO_MASK_SUMS_CASE, TOKEN_MEAN_CASE] + MULTI_STEP_CASES
+# The bitwise A/B: slime's own policy loss, plain slime against the package's entry point with the
+# default sample_mean and --fusedrl-keep-slime-log-probs (and, without the switch, the fused log-prob path).
+AB_ARGV = PPO_ARGV + DYNAMIC_BATCHING
+AB_CASE = Case("ab-sample_mean-tp2-cp2-dp1", 2, 2, AB_ARGV, 26)
 
 # Options fusedrl's policy loss does not implement, configured the README's first way: slime's own
 # train.py (its parser, no fusedrl flags) and --custom-loss-function-path (or its module alias).
@@ -264,7 +291,9 @@ def case_runs(case: Case):
     """On this rank: {run name: ([(loss, metrics)], weight-shard gradient)} on the same
     micro-batches for the truth, slime's eager float32 path, slime's policy loss on the fused
     log-prob path ("fused log-probs", where slime's reducer is the case's), and the configured
-    fusedrl loss ("fused loss": fusedrl's policy loss, or slime's with fusedrl's pg_loss reducer)."""
+    fusedrl loss ("fused loss": fusedrl's policy loss, or slime's with fusedrl's pg_loss reducer);
+    where the truth weighs pg_loss by the mode, also "metric truth", slime's sample mean (the
+    metrics' weights in every mode)."""
     import fusedrl.slime_ext as fusedrl_slime
     from fusedrl.slime_ext import train as entry
     from fusedrl.slime_ext.arguments import add_fusedrl_arguments
@@ -275,8 +304,7 @@ def case_runs(case: Case):
         tensor_model_parallel_size=case.tp, context_parallel_size=case.cp, create_gloo_process_groups=False
     )
     try:
-        argv = BASE_ARGV + case.argv + ["--seed", str(case.seed)]
-        args, unknown = upstream_slime.parse_known_args(argv, add_fusedrl_arguments)
+        args, unknown = upstream_slime.parse_known_args(case.full_argv(), add_fusedrl_arguments)
         assert unknown == [], unknown
         entry.validate(args)
         set_args(args)  # as slime's train actor does (initialize.init); the pg_loss reducer hook reads them
@@ -294,6 +322,8 @@ def case_runs(case: Case):
             truth_data = dict(rollout_data, rollout_mask_sums=truth_denominators(case, args, rollout_data))
         with Float64LogProbs():
             runs = {"truth": train_micro_batches(slime_args, truth_data, shard)}
+            if case.truth_denominators:  # the metrics' truth: slime's sample mean, whatever the mode
+                runs["metric truth"] = train_micro_batches(slime_args, rollout_data, shard)
         runs["slime fp32"] = train_micro_batches(slime_args, truth_data, shard)
         fusedrl_slime.install(args)
         try:
@@ -369,14 +399,142 @@ def delta_push_ages():
         fusedrl_slime.uninstall()
 
 
-def rank_main(rank, world_size, cases, unsupported):
+class ReducerRecorder:
+    """Records, in slime's loss module, every reducer `get_sum_of_sample_mean` builds (returned
+    unchanged), the reducer slime's `loss_function` hands `policy_loss_function`, and every hook
+    path slime's loss loads: what decides which object reduces pg_loss."""
+
+    def __enter__(self):
+        from slime.backends.megatron_utils import loss
+
+        self.built, self.handed, self.loaded = [], [], []
+        self.saved = {name: getattr(loss, name) for name in ("get_sum_of_sample_mean", "policy_loss_function", "load_function")}
+        build, policy_loss, load = self.saved.values()
+
+        def get_sum_of_sample_mean(*args, **kwargs):
+            reducer = build(*args, **kwargs)
+            self.built.append(reducer)
+            return reducer
+
+        def policy_loss_function(args, batch, logits, sum_of_sample_mean):
+            self.handed.append(sum_of_sample_mean)
+            return policy_loss(args, batch, logits, sum_of_sample_mean)
+
+        def load_function(path):
+            self.loaded.append(path)
+            return load(path)
+
+        loss.get_sum_of_sample_mean, loss.policy_loss_function, loss.load_function = (
+            get_sum_of_sample_mean, policy_loss_function, load_function)  # fmt: skip
+        return self
+
+    def __exit__(self, *exc):
+        from slime.backends.megatron_utils import loss
+
+        for name, original in self.saved.items():
+            setattr(loss, name, original)
+
+    def same_objects(self) -> bool:
+        """Whether policy_loss_function got, in every micro-batch, the very reducer slime built."""
+        return len(self.handed) == len(self.built) > 0 and all(a is b for a, b in zip(self.handed, self.built))
+
+
+def ab_runs(case: Case):
+    """The bitwise A/B on this rank: {run: (results, gradient, recorder observations)} for plain
+    slime (its parser, no package code), the package's entry point (its flags, startup checks and
+    init hook) with --fusedrl-keep-slime-log-probs, and the same without the switch."""
+    import fusedrl.slime_ext as fusedrl_slime
+    from fusedrl.slime_ext import train as entry
+    from fusedrl.slime_ext.arguments import add_fusedrl_arguments
+    from megatron.core import parallel_state
+    from megatron.training.global_vars import set_args
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=case.tp, context_parallel_size=case.cp, create_gloo_process_groups=False
+    )
+    try:
+        weights = bigram_weights(case.seed)
+        shard = weights.chunk(case.tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
+        runs = {}
+        for run, extra in (("plain slime", None), ("keep slime log-probs", ["--fusedrl-keep-slime-log-probs"]), ("fused log-probs", [])):
+            argv = case.full_argv() + (extra or [])
+            args, _ = upstream_slime.parse_known_args(argv, None if extra is None else add_fusedrl_arguments)
+            if extra is not None:
+                entry.validate(args)
+                set_args(args)
+                fusedrl_slime.install(args)
+            try:
+                rollout_data = train_data(args, parallel_state.get_data_parallel_world_size(), case.cp)
+                add_policy_log_probs(args, rollout_data, weights)
+                with ReducerRecorder() as recorder:
+                    results, grad = train_micro_batches(args, rollout_data, shard)
+            finally:
+                fusedrl_slime.uninstall()
+            runs[run] = (results, grad, recorder.same_objects(), recorder.loaded, args.custom_pg_loss_reducer_function_path)
+        return runs
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def slime_step_split(args, samples, dp_size: int, cp_size: int):
+    """Per sample (rollout order), the training step slime's real conversion and DP schedule
+    (`RolloutManager._split_train_data_by_dp`, i.e. `build_dp_schedule`) trains it in; None when
+    no rank trains it."""
+    from slime.ray.rollout import RolloutManager
+
+    manager = object.__new__(RolloutManager)
+    manager.args = args
+    manager.custom_reward_post_process_func = manager.custom_convert_samples_to_train_data_func = None
+    manager.set_train_parallel_config(
+        {"dp_size": dp_size, "cp_size": cp_size, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
+    )
+    steps = [None] * len(samples)
+    for box in manager._split_train_data_by_dp(manager._convert_samples_to_train_data(samples)):
+        data = box.inner
+        first_mb = 0
+        for step, count in enumerate(data["num_microbatches"]):
+            for mb in data["micro_batch_indices"][first_mb : first_mb + count]:
+                for local in mb:
+                    steps[data["partition"][local]] = step
+            first_mb += count
+    return steps
+
+
+# Rollout ids of the step-split samples: own (None), compact rollouts of 2 and 3 samples.
+STEP_SPLIT_ROLLOUT_IDS = [None, 11, 11, None, 4, 4, 4, None]
+STEP_SPLIT_CONFIGS = [  # (global batch size in rollouts, dp, dynamic batching)
+    (1, 1, False), (2, 1, False), (3, 1, True), (4, 2, True), (2, 2, True), (5, 1, False),
+]
+
+
+def step_split_agreement():
+    """[(config, slime's step per sample, fusedrl's)] for every STEP_SPLIT_CONFIGS entry."""
+    from fusedrl.slime_ext.rollout import prompt_groups
+
+    observed = []
+    for global_batch_size, dp_size, dynamic in STEP_SPLIT_CONFIGS:
+        argv = BASE_ARGV + ["--global-batch-size", str(global_batch_size)] + (DYNAMIC_BATCHING if dynamic else ["--micro-batch-size", "1"])
+        args, _ = upstream_slime.parse_known_args(argv)
+        samples = make_samples(3)
+        for sample, rollout_id in zip(samples, STEP_SPLIT_ROLLOUT_IDS, strict=True):
+            sample.rollout_id = rollout_id
+        ours = prompt_groups.training_steps(samples, global_batch_size)
+        observed.append(((global_batch_size, dp_size, dynamic), slime_step_split(args, samples, dp_size, 1), ours))
+    return observed
+
+
+def rank_main(rank, world_size, cases, unsupported, ab_case):
     """Every case and observation on this rank (one spawn for all: importing slime and megatron is
-    the slow part): {case name: runs}, {option: first_loss_error}, delta_push_ages()."""
+    the slow part)."""
     upstream_slime.load()
     torch.set_num_threads(1)
-    runs = {case.name: case_runs(case) for case in cases}
-    refusals = {option: first_loss_error(argv) for option, argv in unsupported.items()}
-    return runs, refusals, delta_push_ages()
+    return {
+        "runs": {case.name: case_runs(case) for case in cases},
+        "refusals": {option: first_loss_error(argv) for option, argv in unsupported.items()},
+        "ages": delta_push_ages(),
+        "ab": ab_runs(ab_case),
+        "step split": step_split_agreement() if rank == 0 else None,
+    }
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -384,21 +542,23 @@ def rank_main(rank, world_size, cases, unsupported):
 
 @pytest.fixture(scope="module")
 def observed():
-    """({case name: [runs of rank 0, ..., rank WORLD_SIZE - 1]}, rank 0's {option: first_loss_error},
-    rank 0's delta_push_ages())."""
-    by_rank = run_on_ranks(WORLD_SIZE, rank_main, ALL_CASES, UNSUPPORTED)
-    return {case.name: [ranks[0][case.name] for ranks in by_rank] for case in ALL_CASES}, *by_rank[0][1:]
+    """rank 0's observations, and "runs" / "ab" as [rank 0, ..., rank WORLD_SIZE - 1]."""
+    by_rank = run_on_ranks(WORLD_SIZE, rank_main, ALL_CASES, UNSUPPORTED, AB_CASE)
+    out = dict(by_rank[0])
+    out["runs"] = {case.name: [ranks["runs"][case.name] for ranks in by_rank] for case in ALL_CASES}
+    out["ab"] = [ranks["ab"] for ranks in by_rank]
+    return out
 
 
 @pytest.fixture
 def results(observed):
-    return observed[0]
+    return observed["runs"]
 
 
-def compare(runs, run: str, metrics=None):
+def compare(runs, run: str, metrics=None, truth="truth"):
     """Largest relative error of a run against the truth: per micro-batch loss and metrics (those
     named, else all the truth reports), and the gradient."""
-    truth, got = runs["truth"], runs[run]
+    truth, got = runs[truth], runs[run]
     assert len(got[0]) == len(truth[0]) > 0
     errors = {"grad": rel_err(got[1], truth[1])}
     for (loss, logged), (ref_loss, ref_logged) in zip(got[0], truth[0], strict=True):
@@ -408,12 +568,12 @@ def compare(runs, run: str, metrics=None):
     return errors
 
 
-def assert_matches_truth(rank_results, fused_runs, metrics=None):
+def assert_matches_truth(rank_results, fused_runs, metrics=None, truth="truth"):
     for rank, runs in enumerate(rank_results):
-        assert all(loss.dtype == torch.float64 for loss, _ in runs["truth"][0])  # the float64 path ran
-        eager = compare(runs, "slime fp32", metrics)
+        assert all(loss.dtype == torch.float64 for loss, _ in runs[truth][0])  # the float64 path ran
+        eager = compare(runs, "slime fp32", metrics, truth)
         for run in fused_runs:
-            errors = compare(runs, run, metrics)
+            errors = compare(runs, run, metrics, truth)
             bad = {key: err for key, err in errors.items() if not err < TOLERANCE}
             assert not bad, f"rank {rank} {run}: {bad} (slime fp32: {eager})"
 
@@ -446,9 +606,65 @@ def test_without_rollout_mask_sums_each_sample_is_its_own_denominator(results):
 
 @pytest.mark.parametrize("option", list(UNSUPPORTED))
 def test_policy_loss_refuses_unsupported_options_at_first_use(observed, option):
-    error = observed[1][option]
+    error = observed["refusals"][option]
     assert error is not None and error.startswith("ValueError") and f"--{option}" in error, error
 
 
 def test_sfc_ages_follow_pushes_of_the_delta_weight_updater(observed):
-    assert observed[2] == [0]
+    assert observed["ages"] == [0]
+
+
+@pytest.mark.parametrize("case", MULTI_STEP_CASES, ids=lambda case: case.name)
+def test_prompt_mean_with_several_steps_per_rollout(results, case):
+    """prompt_mean at 2 and 4 optimizer steps per rollout, on fusedrl's policy loss and on slime's
+    own (fusedrl's pg_loss reducer; slime's log-prob reuse needs --loss-type policy_loss, which the
+    checks keep): pg_loss (= the loss: no entropy or KL term) and the gradient weigh each step's
+    samples by their prompt group's mask total, as slime's reducer does given the group totals;
+    every other metric stays slime's sample mean."""
+    assert_matches_truth(results[case.name], ["fused loss"], metrics=["pg_loss"])
+    for runs in results[case.name]:
+        assert len({len(runs["truth"][0])}) == 1 and len(runs["fused loss"][0]) >= case.steps  # one or more mbs per step
+    others = [key for key in results[case.name][0]["metric truth"][0][0][1] if key not in ("loss", "pg_loss")]
+    assert others, "the metric truth reports metrics"
+    for rank, runs in enumerate(results[case.name]):
+        errors = compare(runs, "fused loss", others, truth="metric truth")
+        bad = {key: err for key, err in errors.items() if key in others and not err < TOLERANCE}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def test_token_mean_through_slimes_policy_loss(results):
+    """token_mean on slime's own policy loss is slime's per-token path (--calculate-per-token-loss,
+    set while parsing), on the fused log-prob path, against the float64 truth."""
+    assert_matches_truth(results[TOKEN_MEAN_CASE.name], ["fused log-probs", "fused loss"])
+
+
+def test_prompt_group_step_split_is_slimes(observed):
+    """fusedrl's rollout-time step of each sample (`prompt_groups.training_steps`) is the step
+    slime's real conversion and DP schedule train it in, dropped remainder included."""
+    for config, slime_steps, ours in observed["step split"]:
+        assert ours == slime_steps, config
+
+
+def test_default_sample_mean_keeps_the_reducer_object_slime_builds(observed):
+    """Through the package's entry point with the default --loss-aggregation sample_mean, slime's
+    policy loss gets the very reducer slime's loss_function built, and no reducer hook is loaded."""
+    for rank_runs in observed["ab"]:
+        for run in ("plain slime", "keep slime log-probs", "fused log-probs"):
+            _, _, same_objects, loaded, reducer_path = rank_runs[run]
+            assert same_objects and loaded == [] and reducer_path is None, run
+
+
+def test_bitwise_ab_against_plain_slime(observed):
+    """--fusedrl-keep-slime-log-probs: losses, every metric (pg_loss among them) and the gradient
+    are byte-identical to plain slime's; without it the fused log-prob path rounds differently."""
+    fused_differs = False
+    for rank_runs in observed["ab"]:
+        plain, kept, fused = (rank_runs[run] for run in ("plain slime", "keep slime log-probs", "fused log-probs"))
+        assert len(plain[0]) == len(kept[0]) > 0
+        for (loss, logged), (ref_loss, ref_logged) in zip(kept[0], plain[0], strict=True):
+            assert loss.dtype == ref_loss.dtype and torch.equal(loss, ref_loss)
+            assert logged == ref_logged  # Python floats of float32 values: equal means the same bits
+        assert torch.equal(kept[1], plain[1])
+        fused_differs |= not torch.equal(fused[1], plain[1]) or any(
+            a[1] != b[1] for a, b in zip(fused[0], plain[0], strict=True))  # fmt: skip
+    assert fused_differs, "the fused path matched plain slime bit for bit: the A/B would not tell the switch is needed"

@@ -2,6 +2,7 @@
 
 import torch
 import torch.distributed as dist
+from device import to_cpu, to_device
 
 
 def make_ids(num_rows, vocab, num_ids, generator):
@@ -14,7 +15,7 @@ def make_ids(num_rows, vocab, num_ids, generator):
 
 
 def upstream_grads(stats, generator):
-    """Random upstream gradients for every output of TokenStats."""
+    """Random upstream gradients for every output of TokenStats (on CPU; `loss_of` moves them)."""
 
     def like(t):
         return None if t is None else torch.randn(t.shape, generator=generator, dtype=torch.float32)
@@ -23,17 +24,26 @@ def upstream_grads(stats, generator):
 
 
 def loss_of(stats, grads):
-    """sum(out * g) over the outputs with an upstream gradient (None: the loss does not use it)."""
-    return sum((out.double() * g.double()).sum() for out, g in zip(stats, grads) if out is not None and g is not None)
+    """sum(out * g) over the outputs with an upstream gradient (None: the loss does not use it),
+    each g moved to its output's device."""
+    return sum(
+        (out.double() * g.to(out.device).double()).sum() for out, g in zip(stats, grads) if out is not None and g is not None
+    )
 
 
-def run_with_grad(fn, logits, ids, grads=None, **kwargs):
-    """Outputs, upstream gradients and d(loss)/d(logits) of fn(logits, ids, **kwargs)."""
+def run_with_grad(fn, logits, ids, grads=None, device=None, **kwargs):
+    """Outputs, upstream gradients and d(loss)/d(logits) of fn(logits, ids, **kwargs).
+
+    device: where fn runs (the `device` fixture, for the kernels under test): logits, ids and the
+    tensors among kwargs are moved there. None: fn runs on the tensors as given (the float64 truth,
+    on CPU). Outputs and gradient come back on CPU."""
+    if device is not None:
+        logits, ids, kwargs = to_device((logits, ids, kwargs), device)
     logits = logits.detach().requires_grad_(True)
     stats = fn(logits, ids, **kwargs)
     grads = grads or upstream_grads(stats, torch.Generator().manual_seed(7))
     (grad,) = torch.autograd.grad(loss_of(stats, grads), logits)
-    return stats, grads, grad
+    return to_cpu(stats), grads, grad.cpu()
 
 
 def random_logits(num_rows, vocab, dtype, generator, scale=3.0):

@@ -1,7 +1,29 @@
 """Each feature's slime flags and startup checks, one module per feature; `slime_ext.arguments`
 registers and validates them all, in the order their dependencies require."""
 
+from typing import NamedTuple
+
 
 def custom_loss_is(args, loss_paths) -> bool:
     """Whether slime's configured loss is a custom loss at one of these dotted paths."""
     return getattr(args, "loss_type", None) == "custom_loss" and getattr(args, "custom_loss_function_path", None) in loss_paths
+
+
+class Switch(NamedTuple):
+    """An on/off flag of the package (`store_true`): its option string and help."""
+
+    flag: str
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def enabled(self, args) -> bool:
+        """Whether slime's args have the switch on (absent: off)."""
+        return bool(getattr(args, self.dest, False))
+
+    def add_arguments(self, parser):
+        """Register the switch on slime's parser; returns the parser (slime's convention)."""
+        parser.add_argument(self.flag, action="store_true", help=self.help)
+        return parser

@@ -1,9 +1,9 @@
 """The --loss-aggregation flags: registered on slime's parser, resolved and checked at startup.
 
 The modes are defined in `slime_ext/aggregation.py` (train side). Resolving a mode may install a
-slime hook: `constant` with slime's own policy loss installs the package's pg_loss reducer, and
-`prompt_mean` puts the package's rollout wrapper (`rollout/prompt_groups.py`) in place of
---rollout-function-path. `token_mean` needs --calculate-per-token-loss, which the flag itself turns
+slime hook: `constant` and `prompt_mean` with slime's own policy loss install the package's pg_loss
+reducer, and `prompt_mean` puts the package's rollout wrapper (`rollout/prompt_groups.py`) in place
+of --rollout-function-path. `token_mean` needs --calculate-per-token-loss, which the flag itself turns
 on while slime's parser runs (Megatron validates it inside that parse, before any check here).
 Another feature's flag may stand for a mode (--sfc-loss-agg-mode): it comes in as an `Implied`
 choice, which the caller can only have by running that feature's checks first.
@@ -14,7 +14,8 @@ import math
 from typing import NamedTuple, Optional
 
 MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
-SAMPLE_MODES = ("sample_mean", "prompt_mean")  # need per-sample data slime's reducer hook lacks
+SAMPLE_MODES = ("sample_mean", "prompt_mean")  # weigh samples (refuse slime's per-token path)
+REDUCER_MODES = ("prompt_mean", "constant")  # through the package's pg_loss reducer on slime's policy_loss
 REDUCER_PATH = "fusedrl.slime_ext.aggregation.get_pg_loss_reducer"
 ROLLOUT_FUNCTION_PATH = "fusedrl.slime_ext.rollout.prompt_groups.generate_rollout"
 
@@ -119,7 +120,7 @@ def validate_args(args, implied: Optional[Implied]) -> None:
         )
     _check_pg_loss_path(args, mode)
     if mode == "prompt_mean":
-        _check_one_step_per_rollout(args)
+        _check_groups_can_fit_steps(args)
         _install_rollout_wrapper(args)
 
 
@@ -144,48 +145,55 @@ def _check_divisor(divisor) -> None:
 
 
 def _check_pg_loss_path(args, mode: str) -> None:
-    """Make sure the configured loss actually applies the mode."""
+    """Make sure the configured loss actually applies the mode.
+
+    slime's own `policy_loss` applies prompt_mean and constant through the package's pg_loss
+    reducer (--custom-pg-loss-reducer-function-path, installed here; the loss type stays
+    `policy_loss`, so slime keeps reusing the training forward's log-probs); sample_mean is slime's
+    own reducer and token_mean slime's per-token path, neither needing a hook."""
     reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
     loss_type = getattr(args, "loss_type", None)
-    if reducer == REDUCER_PATH and mode in SAMPLE_MODES:
+    if reducer == REDUCER_PATH and mode == "sample_mean":
         raise ValueError(
-            f"--custom-pg-loss-reducer-function-path {REDUCER_PATH} cannot apply --loss-aggregation {mode} "
-            "(slime's reducer hook receives no per-sample denominators)"
+            f"--custom-pg-loss-reducer-function-path {REDUCER_PATH} is not for --loss-aggregation sample_mean: "
+            "slime's own reducer is sample_mean (leave the reducer path unset)"
         )
-    if mode == "prompt_mean" and loss_type != "custom_loss":
+    if mode == "prompt_mean" and loss_type not in ("policy_loss", "custom_loss"):
         raise ValueError(
-            "--loss-aggregation prompt_mean is applied by the package's losses (--loss-type custom_loss "
-            "--custom-loss-function-path fusedrl.slime_ext.losses.policy_loss or sfc_loss), got "
+            "--loss-aggregation prompt_mean weighs pg_loss, which only slime's --loss-type policy_loss (through the "
+            "package's pg_loss reducer) and the package's losses (--loss-type custom_loss) compute, got "
             f"--loss-type {loss_type}"
         )
-    if mode == "constant" and loss_type == "policy_loss":
+    if mode in REDUCER_MODES and loss_type == "policy_loss":
         if reducer is None:
             args.custom_pg_loss_reducer_function_path = REDUCER_PATH
         elif reducer != REDUCER_PATH:
             raise ValueError(
-                "--loss-aggregation constant with --loss-type policy_loss needs --custom-pg-loss-reducer-"
+                f"--loss-aggregation {mode} with --loss-type policy_loss needs --custom-pg-loss-reducer-"
                 f"function-path {REDUCER_PATH}, got {reducer}"
             )
 
 
-def _check_one_step_per_rollout(args) -> None:
-    """prompt_mean's denominators are summed over one rollout call's samples, so that call must be
-    exactly one optimizer step, built from rollouts the package's rollout wrapper saw."""
+def _check_groups_can_fit_steps(args) -> None:
+    """prompt_mean's denominators are summed per prompt group by the package's rollout wrapper, so
+    slime must call it (no --load-debug-rollout-data), and slime's cut of the rollout into steps of
+    --global-batch-size rollouts must be able to keep each group whole. With slime's rollout a group
+    is --n-samples-per-prompt consecutive rollouts; the wrapper checks each rollout's actual groups
+    (`rollout/prompt_groups.py`)."""
     if getattr(args, "load_debug_rollout_data", None) is not None:
         raise ValueError(
             "--loss-aggregation prompt_mean cannot run with --load-debug-rollout-data: slime then loads saved "
             "samples instead of calling the rollout function, so the package's rollout wrapper never computes "
             "the prompt-group denominators"
         )
-    steps = getattr(args, "num_steps_per_rollout", None)
-    per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
-    batch = getattr(args, "global_batch_size", None)
-    if (steps is not None and steps != 1) or (batch is not None and batch != per_rollout):
+    batch, group = getattr(args, "global_batch_size", None), args.n_samples_per_prompt
+    if batch is not None and batch % group != 0:
         raise ValueError(
-            f"--loss-aggregation prompt_mean needs one optimizer step per rollout (--num-steps-per-rollout 1, "
-            f"--global-batch-size = --rollout-batch-size x --n-samples-per-prompt = {per_rollout}), got "
-            f"--num-steps-per-rollout {steps}, --global-batch-size {batch}: a prompt group's denominator is summed "
-            "over one rollout, and a group split across steps would be divided by tokens another step trains"
+            f"--loss-aggregation prompt_mean needs every prompt group inside one training step, but --global-batch-size "
+            f"{batch} is not a multiple of --n-samples-per-prompt {group} (--rollout-batch-size "
+            f"{args.rollout_batch_size}, --num-steps-per-rollout {getattr(args, 'num_steps_per_rollout', None)}): "
+            "slime cuts each rollout into steps of --global-batch-size rollouts in rollout order, so some group "
+            "would be split between two steps"
         )
 
 

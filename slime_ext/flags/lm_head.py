@@ -9,30 +9,22 @@ gradient (it expects the output layer's own backward). A critic keeps the unfuse
 models built for the actor role hand off.
 """
 
+from . import Switch
 from .policy import LOSS_PATHS as POLICY_LOSS_PATHS
 from .sfc import LOSS_PATHS as SFC_LOSS_PATHS
 
 FLAG = "--fusedrl-fused-lm-head"
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")  # losses that read log-probs, never logits
 CUSTOM_LOSS_PATHS = (*POLICY_LOSS_PATHS, *SFC_LOSS_PATHS)
-
-
-def enabled(args) -> bool:
-    """Whether slime's args ask for the fused LM head."""
-    return bool(getattr(args, "fusedrl_fused_lm_head", False))
-
-
-def add_arguments(parser):
-    """Register --fusedrl-fused-lm-head on slime's parser."""
-    parser.add_argument(
-        FLAG,
-        action="store_true",
-        help="Compute the actor's log-probs, entropy and SFC scores from the output layer's hidden "
-        "states and weight in row chunks (fusedrl.kernels.linear_token_stats), never materialising "
-        "the [T, V/tp] logits or their gradient. Refuses MTP, the value loss and custom losses "
-        "other than fusedrl's.",
-    )
-    return parser
+SWITCH = Switch(
+    FLAG,
+    help="Compute the actor's log-probs, entropy and SFC scores from the output layer's hidden "
+    "states and weight in row chunks (fusedrl.kernels.linear_token_stats), never materialising "
+    "the [T, V/tp] logits or their gradient. Refuses MTP, the value loss and custom losses "
+    "other than fusedrl's.",
+)
+enabled = SWITCH.enabled  # whether slime's args ask for the fused LM head
+add_arguments = SWITCH.add_arguments  # register --fusedrl-fused-lm-head on slime's parser
 
 
 def validate_args(args) -> None:
