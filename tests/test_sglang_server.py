@@ -174,14 +174,24 @@ def test_out_of_vocabulary_input_ids_get_400_and_the_server_keeps_serving(server
 
 
 def _server_processes(server):
-    """{role: [psutil.Process]} of the server's main, scheduler and detokenizer processes."""
+    """{role: [psutil.Process]} of the server's main, scheduler and detokenizer processes,
+    found by the titles SGLang gives them (`sglang::scheduler`, in the command line and, cut
+    to 15 characters, in the process name); asked up to 10 times, half a second apart, until
+    every role is there."""
     main = psutil.Process(server.process.pid)
-    roles = {"main": [main], "scheduler": [], "detokenizer": []}
-    for child in main.children(recursive=True):
-        title = " ".join(child.cmdline())
-        for role in ("scheduler", "detokenizer"):
-            if f"sglang::{role}" in title:
-                roles[role].append(child)
+    for _ in range(10):
+        roles = {"main": [main], "scheduler": [], "detokenizer": []}
+        for child in main.children(recursive=True):
+            try:
+                title = " ".join(child.cmdline()) + " " + child.name()
+            except psutil.Error:
+                continue
+            for role in ("scheduler", "detokenizer"):
+                if f"sglang::{role}"[:15] in title:
+                    roles[role].append(child)
+        if all(roles.values()):
+            break
+        time.sleep(0.5)
     return roles
 
 
