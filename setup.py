@@ -59,6 +59,7 @@ setup(
     entry_points={
         "sglang.srt.plugins": [
             "fusedrl_token_samples = fusedrl.sglang_plugin.plugin:register",
+            "sglang_token_samples = fusedrl.sglang_plugin.plugin:register",
         ],
     },
 )

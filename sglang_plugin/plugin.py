@@ -52,6 +52,15 @@ class DrawTarget(NamedTuple):
     versions: str
 
 
+def _already_registered(registry) -> bool:
+    """True when this process's hook registry already holds the sampler hook: the package ships two
+    entry-point names (`fusedrl_token_samples`, and the `sglang_token_samples` an allow-list written
+    for the original plugin names), and SGLang loads both when `SGLANG_PLUGINS` is unset. Reads
+    the registry's hook table (SGLang has no public query)."""
+    hooks = getattr(registry, "_hooks", {}).get(SAMPLER_FORWARD_TARGET, ())
+    return any(entry[1] is sampler_forward_hook for entry in hooks)
+
+
 def register() -> None:
     """Enable the token-sample mode when AGENTCORE_SGLANG_TOKEN_SAMPLES=1; otherwise do nothing."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -64,6 +73,10 @@ def register() -> None:
             )
         else:
             logger.info("fusedrl token samples: %s is not 1; SGLang left untouched.", ENV_VAR)
+        return
+
+    if _already_registered(HookRegistry):
+        logger.info("fusedrl token samples: already registered in this process (under its other entry-point name).")
         return
 
     version = _sglang_version()

@@ -324,3 +324,25 @@ def test_truncation_problem_accepts_only_the_whole_distribution():
     assert "top_k=7" in constraints.truncation_problem(7, 1.0, 0.0)
     assert "top_k=49" in constraints.truncation_problem(49, 1.0, 0.0, vocab_size=50)
     assert "top_k=1 " in constraints.truncation_problem(1, 1.0, 0.0, vocab_size=1)
+
+
+def test_both_entry_point_names_register_each_hook_once(monkeypatch):
+    """The package ships `fusedrl_token_samples` and `sglang_token_samples` (the name an allow-list
+    for the original plugin would carry); with SGLANG_PLUGINS unset SGLang loads both, and the
+    second registration must add nothing."""
+    from importlib.metadata import entry_points
+
+    from sglang.srt.plugins import load_plugins_by_group  # noqa: F401  (the loader that reads this group)
+
+    names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert names["fusedrl_token_samples"] == names["sglang_token_samples"] == "fusedrl.sglang_plugin.plugin:register"
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    HookRegistry.reset()
+    try:
+        plugin.register()
+        once = {target: len(entries) for target, entries in HookRegistry._hooks.items()}
+        plugin.register()
+        twice = {target: len(entries) for target, entries in HookRegistry._hooks.items()}
+    finally:
+        HookRegistry.reset()
+    assert once == twice and once[plugin.SAMPLER_FORWARD_TARGET] == 1
