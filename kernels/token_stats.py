@@ -67,7 +67,7 @@ class _Tile(NamedTuple):
 
     def full_trips_end(self, vocab_local: int) -> int:
         """Where the unmasked trips end: the kernels mask only the one partial trip after it
-        (computed here, not in the kernel: some interpreters cannot loop to a computed bound)."""
+        (computed once on the host, not in every program)."""
         return vocab_local - vocab_local % self.block
 
 
