@@ -13,30 +13,31 @@ WARPS = 4
 
 
 @triton.jit
+def _copy_trip(src_ptr, dst_ptr, n, start, offs):
+    """One trip of a copy: the columns start + offs."""
+    cols = start + offs
+    tl.store(dst_ptr + cols, tl.load(src_ptr + cols, mask=cols < n), mask=cols < n)
+
+
+@triton.jit
 def copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     """dst = src, one program streaming the whole vector."""
-    offs = tl.arange(0, BLOCK)
     for start in range(0, n, BLOCK):
-        cols = start + offs
-        tl.store(dst_ptr + cols, tl.load(src_ptr + cols, mask=cols < n), mask=cols < n)
+        _copy_trip(src_ptr, dst_ptr, n, start, tl.arange(0, BLOCK))
 
 
 @triton.jit
 def copy_unrolled_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     """The copy with its loop unrolled twice by the compiler: two source trips per SASS trip."""
-    offs = tl.arange(0, BLOCK)
     for start in tl.range(0, n, BLOCK, loop_unroll_factor=2):
-        cols = start + offs
-        tl.store(dst_ptr + cols, tl.load(src_ptr + cols, mask=cols < n), mask=cols < n)
+        _copy_trip(src_ptr, dst_ptr, n, start, tl.arange(0, BLOCK))
 
 
 @triton.jit
 def copy_without_block_kernel(src_ptr, dst_ptr, n, WIDTH: tl.constexpr):
     """A copy whose tile is not named BLOCK*: the cost model cannot know its elements per trip."""
-    offs = tl.arange(0, WIDTH)
     for start in range(0, n, WIDTH):
-        cols = start + offs
-        tl.store(dst_ptr + cols, tl.load(src_ptr + cols, mask=cols < n), mask=cols < n)
+        _copy_trip(src_ptr, dst_ptr, n, start, tl.arange(0, WIDTH))
 
 
 @triton.jit
