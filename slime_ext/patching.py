@@ -18,7 +18,10 @@ replaces, in every loaded module that holds them (the defining module and every 
   so the reducer can read prompt_mean's carried denominators from the micro-batch;
 - with --fusedrl-fused-lm-head only, `slime.backends.megatron_utils.model_provider.
   get_model_provider_func` by `lm_head.handing_off_provider_func(original)`: the actor's output
-  layer hands its hidden states to the log-prob path instead of logits (`lm_head`).
+  layer hands its hidden states to the log-prob path instead of logits (`lm_head`), and
+  `slime.backends.megatron_utils.loss.loss_function` by `main_grad.publishing(original)`, which
+  publishes the step sizes it scales the loss by, so the one-pass op can put the output weight's
+  gradient into megatron's `main_grad` at the right scale (`main_grad`).
 
 Before patching, `install` refuses (ValueError naming them and the entry point) the package's
 flags that are on its process's command line but not on slime's args: slime's own entry script
@@ -86,8 +89,15 @@ TARGETS = LOG_PROB_TARGETS + BATCH_TARGETS
 REDUCER_TARGETS = (
     Target("slime.backends.megatron_utils.loss", "policy_loss_function", _policy_loss_publishing_batch),
 )
+def _loss_function_publishing_schedule(original):
+    from .main_grad import publishing
+
+    return publishing(original)
+
+
 FUSED_LM_HEAD_TARGETS = (
     Target("slime.backends.megatron_utils.model_provider", "get_model_provider_func", lm_head.handing_off_provider_func),
+    Target("slime.backends.megatron_utils.loss", "loss_function", _loss_function_publishing_schedule),
 )
 
 _REPLACEMENTS: Dict[Tuple[str, str], Tuple[Callable, Callable]] = {}  # (module, name) -> (original, new)
