@@ -2,6 +2,7 @@
 for the one-pass path, a separable loss and its paths (one pass, recompute, unfused, truth)."""
 
 import torch
+import torch.distributed as dist
 from device import to_cpu, to_device
 from token_stats_cases import loss_of, upstream_grads
 
@@ -106,3 +107,20 @@ def loss_with_grad(fn, hidden, weight, ids, row_loss, device=None, **kwargs):
     grad_hidden, grad_weight = torch.autograd.grad(loss, [hidden, weight])
     stats = TokenStats(*(None if t is None else t.detach() for t in stats))
     return loss.detach().cpu(), to_cpu(stats), (grad_hidden.cpu(), grad_weight.cpu())
+
+
+def rank_layer(rank, world_size, hidden, weight, through_megatron):
+    """On a tensor-parallel rank: (hidden as a leaf, the layer's input, this rank's weight shard as a
+    leaf, the group to pass). Through megatron: megatron-core's parallel state over the world, the
+    input through `copy_to_tensor_model_parallel_region` (what ColumnParallelLinear does: identity
+    forward, all-reduce of d hidden backward) and group None (the op finds megatron's)."""
+    width = weight.shape[0] // world_size
+    shard = weight[rank * width : (rank + 1) * width].clone().requires_grad_(True)
+    leaf = hidden.clone().requires_grad_(True)
+    if not through_megatron:
+        return leaf, leaf, shard, dist.group.WORLD
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    return leaf, copy_to_tensor_model_parallel_region(leaf), shard, None

@@ -11,9 +11,8 @@ FUSEDRL_TEST_DEVICE says (gloo has no CUDA collectives).
 
 import pytest
 import torch
-import torch.distributed as dist
 from distributed import run_on_ranks
-from lm_head_cases import SeparableLoss, loss_with_grad, random_layer, truth_head, truth_loss_head
+from lm_head_cases import SeparableLoss, loss_with_grad, random_layer, rank_layer, truth_head, truth_loss_head
 from numerics import rel_err
 from token_stats_cases import CollectiveCounter, make_ids
 
@@ -24,16 +23,7 @@ GRAD_SCALE = 0.25
 
 def shard_worker(rank, world_size, hidden, weight, ids, row_loss, kwargs, through_megatron, into_main_grad):
     """This rank's loss, statistics, gradients (d weight from main_grad when asked) and collective counts."""
-    width = weight.shape[0] // world_size
-    shard = weight[rank * width : (rank + 1) * width].clone().requires_grad_(True)
-    leaf = hidden.clone().requires_grad_(True)
-    layer_input, group = leaf, dist.group.WORLD
-    if through_megatron:
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
-        layer_input, group = copy_to_tensor_model_parallel_region(leaf), None  # megatron's group, found
+    leaf, layer_input, shard, group = rank_layer(rank, world_size, hidden, weight, through_megatron)
     main_grad = torch.zeros(shard.shape) if into_main_grad else None
     scale = GRAD_SCALE if into_main_grad else None
     with CollectiveCounter() as forward:
