@@ -11,11 +11,11 @@
 # installed with --no-deps.
 #
 # Two of SGLang's GPU-only dependencies are taken out again (SGLang's CPU server runs without them,
-# tests/test_sglang_server*.py):
+# tests/test_sglang/test_sglang_server*.py):
 # - PyPI's `kernels` (the Hugging Face kernel hub; SGLang imports it only in its FlashAttention-3
 #   path). It registers a setuptools `egg_info.writers` entry point, `kernels.lockfile`, which
 #   this checkout's own `kernels/` folder shadows whenever setuptools runs from the checkout
-#   without build isolation (tests/test_install.py builds a wheel so): "No module named
+#   without build isolation (tests/test_slime/test_install.py builds a wheel so): "No module named
 #   'kernels.lockfile'".
 # - `sgl-flash-mla`: megatron-core imports `flash_mla` when present and catches only ImportError,
 #   but without a CUDA driver its library load raises OSError, so every megatron-core model import
@@ -29,8 +29,8 @@ if ! python -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
     echo "  python3 -m venv .venv && source .venv/bin/activate && bash .ci/install-test-deps.sh" >&2
     exit 2
 fi
-# torch.compile on CPU (tests/test_compile.py) builds inductor's C++, and the SGLang server tests
-# build a stand-in libcuda.so.1 with gcc (tests/sglang_server.py): they need the compilers.
+# torch.compile on CPU (tests/test_kernels/test_compile.py) builds inductor's C++, and the SGLang server tests
+# build a stand-in libcuda.so.1 with gcc (tests/test_sglang/sglang_server.py): they need the compilers.
 if ! command -v g++ >/dev/null || ! command -v gcc >/dev/null; then
     if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
         apt-get update -qq && apt-get install -y -qq gcc g++

@@ -7,11 +7,30 @@ Options narrow or widen the case grid; with none, the default set runs (a few mi
 import argparse
 import math
 import os
-import sys
-import time
 from pathlib import Path
 
 import torch
+
+from . import report, static, summary
+from .cases import (
+    CPU_GRID,
+    DEFAULT_OPS,
+    DTYPES,
+    GPU_GRID,
+    OPS,
+    PHASES,
+    SEGMENT_TOKENS,
+    Grid,
+    SegmentCase,
+    default_cases,
+)
+from .device import pick_device
+from .harness.budget import available_bytes, oversized_message
+from .harness.measure import measure_case
+from .harness.progress import Progress
+from .subjects import SUBJECT_NAMES, make_subjects
+from .workloads import WORKLOADS
+from .workloads.linear_token_stats import head_cases
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -42,9 +61,6 @@ def _positive_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
-    from .cases import CPU_GRID, DEFAULT_OPS, DTYPES, GPU_GRID, OPS, PHASES, SEGMENT_TOKENS
-    from .subjects import SUBJECT_NAMES
-
     def grid_default(axis):
         cpu, gpu = (" ".join(map(str, getattr(grid, axis))) for grid in (CPU_GRID, GPU_GRID))
         return f"default: {cpu} on CPU, {gpu} on GPU" if cpu != gpu else f"default: {cpu}"
@@ -82,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--results-dir", type=Path, default=RESULTS, metavar="DIR",
                         help="where the CSV is appended and the PNG written (default: bench/results)")
     parser.add_argument("--static", action="store_true",
-                        help="no timing: the sm_90 static cost model of every kernel variant (CPU, bench/static.py; --op narrows it; default: off)")
+                        help="no timing: the sm_90 static cost model of every kernel variant (CPU, bench/static/__init__.py; --op narrows it; default: off)")
     return parser
 
 
@@ -99,26 +115,18 @@ def parse_args(argv):
             parser.error("argument --device: a GPU run times compiled kernels; unset TRITON_INTERPRET=1")
     if args.results_dir.exists() and not args.results_dir.is_dir():
         parser.error(f"argument --results-dir: {args.results_dir} exists and is not a directory")
+    try:  # before any case runs, so that no run's results are lost at the end
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"argument --results-dir: cannot create {args.results_dir}: {error.strerror}")
+    if not os.access(args.results_dir, os.W_OK | os.X_OK):
+        parser.error(f"argument --results-dir: {args.results_dir} is not writable")
     return args
-
-
-def pick_device(choice: str) -> torch.device:
-    """The device to measure on; on CPU, switch Triton to its interpreter before triton is imported."""
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("triton was imported before TRITON_INTERPRET=1 could be set")
-    os.environ["TRITON_INTERPRET"] = "1"
-    return torch.device("cpu")
 
 
 def select_cases(args, gpu: bool):
     """Token cases: the default set, or the grid the options describe (unnamed axes from the default
     set, or from the whole grid with --full). Aggregation cases: one per T."""
-    from .cases import CPU_GRID, GPU_GRID, SEGMENT_TOKENS, Grid, SegmentCase, default_cases
-
     cases = []
     if "token_stats" in args.op:
         grid = GPU_GRID if gpu else CPU_GRID
@@ -137,34 +145,17 @@ def select_cases(args, gpu: bool):
     if "segment_sum" in args.op:
         cases += [SegmentCase(tokens) for tokens in args.tokens or SEGMENT_TOKENS]
     if "linear_token_stats" in args.op:  # the LM head at the token-statistics shapes
-        from .linear_token_stats_op import head_cases
-
         cases += head_cases(select_cases(argparse.Namespace(**dict(vars(args), op=["token_stats"])), gpu), gpu)
     return cases
-
-
-def _relative_cost(case) -> float:
-    """Roughly how long a case takes, for the progress estimate: its bytes, three times over with
-    the entropy or several ids (what the CPU default run shows: T=128 V=18992 takes 6 s plain,
-    18-20 s with J = 9 or the entropy)."""
-    heavier = getattr(case, "entropy", False) or getattr(case, "ids_per_row", 1) > 1
-    return case.floor_bytes("fwd+bwd") * (3 if heavier else 1)
 
 
 def main(argv=None):
     """Run the benchmark; returns the records (one per case, phase and subject)."""
     args = parse_args(argv)
     if args.static:
-        from .static import run
-
-        return run(args.results_dir, args.op)
+        return static.run(args.results_dir, args.op)
     device = pick_device(args.device)
     gpu = device.type == "cuda"
-    from . import report
-    from .measure import measure_case
-    from .memory_budget import available_bytes, oversized_message
-    from .progress import Progress
-    from .subjects import make_subjects
 
     cases = select_cases(args, gpu)
     refusal = oversized_message(cases, available_bytes(device), device.type)
@@ -175,10 +166,10 @@ def main(argv=None):
     if not gpu and any(case.dtype != "fp32" for case in cases):
         notes.append("the Triton interpreter casts fp32 to bf16/fp16 by truncation (a GPU rounds to nearest), "
                      "which about doubles the fused kernels' low-precision gradient error on CPU")  # fmt: skip
-    progress = Progress(map(_relative_cost, cases))
+    progress = Progress(case.op for case in cases)
     records = []
     for case in cases:
-        records += measure_case(case, subjects, device, phases=args.phase, timing=gpu)
+        records += measure_case(WORKLOADS[case.op].make(case, device), subjects, phases=args.phase, timing=gpu)
         progress.finished(case.label)
         if gpu:
             torch.cuda.empty_cache()
@@ -188,6 +179,9 @@ def main(argv=None):
     stamp = env["date"].replace(":", "")
     print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
     print(report.format_table(records, gpu))
+    print(summary.legend(gpu))
+    for line in summary.conclusions(records, gpu):
+        print(line)
     for note in notes:
         print(f"note: {note}")
     csv_path = report.append_csv(records, env, args.results_dir / f"bench_{kind}.csv")

@@ -13,9 +13,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .eager import eager_token_logprobs
-from .linear_token_stats_op import run_fused, run_unfused
-from .segment_sum_op import eager_sum_of_sample_mean
+from .baselines import eager_token_logprobs
+from .workloads.linear_token_stats import run_fused, run_unfused
+from .workloads.segment_sum import eager_sum_of_sample_mean
 
 SUBJECT_NAMES = ("fused", "eager", "compile", "liger", "megatron")
 
@@ -87,7 +87,9 @@ def _megatron(device):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+        from megatron.core.tensor_parallel.cross_entropy import (
+            vocab_parallel_cross_entropy,
+        )
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)

@@ -53,11 +53,14 @@ def as_2d_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def check_temperature(temperature) -> float:
-    """A sampling temperature must be a finite positive number.
+    """A sampling temperature must be a finite positive number (a string or a bool is refused, not
+    converted: `"0.7"` from a config file is a bug to surface, not a value to guess).
 
     Plain comparisons (NaN fails both), no `math.isfinite`: under torch.compile a temperature that
     changes between calls is a symbolic float, which comparisons guard on and math cannot read.
     """
+    if isinstance(temperature, (str, bytes, bool)) or not hasattr(temperature, "__float__"):
+        raise ValueError(f"temperature must be a number, got {type(temperature).__name__} {temperature!r}")
     value = float(temperature)
     if not 0.0 < value < math.inf:
         raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")

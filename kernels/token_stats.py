@@ -15,7 +15,7 @@ Why everything is relative to the row max. Every exponent is formed from a raw d
 row max, `(x - m) log2(e) / T`, exact near the max, and the saved state is (m, log2 of the
 exp-sum, E_p[x - m] / T): small numbers. A kernel that forms `x log2(e) / T - lse` instead loses
 `|lse| 2^-24` in every probability, which at low temperature (|logits| / T in the hundreds) is 50x
-eager PyTorch's fp32 error (tests/test_token_stats_scale.py).
+eager PyTorch's fp32 error (tests/test_kernels/test_token_stats_scale.py).
 
 Layers: the Triton kernels; their host launches (`row_partials`, `logits_grad`), which allocate
 and launch; the torch.library ops `fusedrl::token_stats` and `fusedrl::token_stats_backward` over

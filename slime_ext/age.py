@@ -33,7 +33,7 @@ from typing import Dict
 
 import torch
 
-from .hooks import load_function
+from .callables import load_function
 
 logger = logging.getLogger(__name__)
 HOOK_PATH = "fusedrl.slime_ext.age.before_train_step"

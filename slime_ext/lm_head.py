@@ -12,16 +12,21 @@ it in), else the layer's own.
 
 The hand-off is installed on the models slime builds for the actor role (a critic keeps its value
 head and the unfused path): the init hook wraps slime's `get_model_provider_func`
-(`patching.py`). `restore()` puts every handed-off layer's own forward back.
+(`patching.handing_off_provider_func`). `restore()` puts every handed-off layer's own forward back.
+
+Why the weight travels through module state: slime calls its loss as `loss_fn(args, batch, logits,
+sum_of_sample_mean)`, with the model output in the logits' place and no way to pass the layer; the
+output layer's forward, which the model calls with the weight it multiplies by (the shared
+embedding weight when tied), records it here for the loss that reads that output next.
 """
 
-import functools
 import types
 from typing import List, Optional
 
 import torch
 
 from . import megatron
+from .callables import check_signature
 from .flags.lm_head import FLAG
 
 
@@ -62,8 +67,6 @@ def hand_off(layer) -> None:
 
     Refuses, with a ValueError naming the flag, a layer whose logits something else would need or
     whose backward the hand-off does not reproduce."""
-    from .patching import check_signature
-
     if not isinstance(layer, megatron.column_parallel_linear_type()):
         raise ValueError(f"{FLAG} needs megatron-core's ColumnParallelLinear as the output layer, got {type(layer).__name__}")
     refusals = (
@@ -110,27 +113,3 @@ def hidden_rows(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             f"{tuple(output.shape)}"
         )
     return output[0].to(weight.dtype)
-
-
-def handing_off_provider_func(original):
-    """Replacement of slime's `get_model_provider_func(args, role)`: actor models hand off their
-    output layer (the last pipeline stage's); other roles are built unchanged."""
-
-    def get_model_provider_func(args, role="actor"):
-        provider = original(args, role)
-        if role != "actor":
-            return provider
-
-        @functools.wraps(provider)
-        def handing_off_provider(pre_process=True, post_process=True, **kwargs):
-            model = provider(pre_process=pre_process, post_process=post_process, **kwargs)
-            if post_process:
-                layer = getattr(model, "output_layer", None)
-                if layer is None:
-                    raise ValueError(f"{FLAG}: the last pipeline stage's model has no output_layer to hand off")
-                hand_off(layer)
-            return model
-
-        return handing_off_provider
-
-    return get_model_provider_func

@@ -17,7 +17,7 @@ replaces, in every loaded module that holds them (the defining module and every 
   `slime.backends.megatron_utils.loss.policy_loss_function` by `micro_batch.publishing(original)`,
   so the reducer can read prompt_mean's carried denominators from the micro-batch;
 - with --fusedrl-fused-lm-head only, `slime.backends.megatron_utils.model_provider.
-  get_model_provider_func` by `lm_head.handing_off_provider_func(original)`: the actor's output
+  get_model_provider_func` by `handing_off_provider_func(original)`: the actor's output
   layer hands its hidden states to the log-prob path instead of logits (`lm_head`), and
   `slime.backends.megatron_utils.loss.loss_function` by `main_grad.publishing(original)`, which
   publishes the step sizes it scales the loss by, so the one-pass op can put the output weight's
@@ -34,18 +34,18 @@ original back. References captured before install in other forms (a `functools.p
 default argument) are not reachable this way.
 """
 
+import functools
 import importlib
-import inspect
 import sys
 from typing import Callable, Dict, List, NamedTuple, Tuple
 
-from . import age, lm_head
+from . import age, carry, lm_head, logprobs, main_grad, micro_batch
 from .arguments import check_at_first_use, configures_package, refuse_dropped_flags
+from .callables import check_signature, load_function
 from .flags import lm_head as lm_head_flags
 from .flags import log_probs as log_probs_flags
 from .flags.aggregation import REDUCER_PATH
 from .flags.sfc import uses_sfc
-from .hooks import load_function
 
 
 class Target(NamedTuple):
@@ -57,66 +57,53 @@ class Target(NamedTuple):
 
 
 def _fused_get_log_probs(original):
-    from .logprobs import get_log_probs_and_entropy
-
-    return get_log_probs_and_entropy
+    return logprobs.get_log_probs_and_entropy
 
 
 def _fused_calculate_log_probs(original):
-    from .logprobs import calculate_log_probs_and_entropy
-
-    return calculate_log_probs_and_entropy
+    return logprobs.calculate_log_probs_and_entropy
 
 
-def _batch_without_carried_inputs(original):
-    from .carry import without_carried_inputs
+def handing_off_provider_func(original):
+    """Replacement of slime's `get_model_provider_func(args, role)`: actor models hand off their
+    output layer (the last pipeline stage's); other roles are built unchanged."""
 
-    return without_carried_inputs(original)
+    def get_model_provider_func(args, role="actor"):
+        provider = original(args, role)
+        if role != "actor":
+            return provider
 
+        @functools.wraps(provider)
+        def handing_off_provider(pre_process=True, post_process=True, **kwargs):
+            model = provider(pre_process=pre_process, post_process=post_process, **kwargs)
+            if post_process:
+                layer = getattr(model, "output_layer", None)
+                if layer is None:
+                    raise ValueError(f"{lm_head_flags.FLAG}: the last pipeline stage's model has no output_layer to hand off")
+                lm_head.hand_off(layer)
+            return model
 
-def _policy_loss_publishing_batch(original):
-    from .micro_batch import publishing
+        return handing_off_provider
 
-    return publishing(original)
+    return get_model_provider_func
 
 
 LOG_PROB_TARGETS = (
     Target("slime.backends.megatron_utils.loss", "get_log_probs_and_entropy", _fused_get_log_probs),
     Target("slime.utils.ppo_utils", "calculate_log_probs_and_entropy", _fused_calculate_log_probs),
 )
-BATCH_TARGETS = (Target("slime.backends.megatron_utils.data", "get_batch", _batch_without_carried_inputs),)
+BATCH_TARGETS = (Target("slime.backends.megatron_utils.data", "get_batch", carry.without_carried_inputs),)
 TARGETS = LOG_PROB_TARGETS + BATCH_TARGETS
 REDUCER_TARGETS = (
-    Target("slime.backends.megatron_utils.loss", "policy_loss_function", _policy_loss_publishing_batch),
+    Target("slime.backends.megatron_utils.loss", "policy_loss_function", micro_batch.publishing),
 )
-def _loss_function_publishing_schedule(original):
-    from .main_grad import publishing
-
-    return publishing(original)
-
-
 FUSED_LM_HEAD_TARGETS = (
-    Target("slime.backends.megatron_utils.model_provider", "get_model_provider_func", lm_head.handing_off_provider_func),
-    Target("slime.backends.megatron_utils.loss", "loss_function", _loss_function_publishing_schedule),
+    Target("slime.backends.megatron_utils.model_provider", "get_model_provider_func", handing_off_provider_func),
+    Target("slime.backends.megatron_utils.loss", "loss_function", main_grad.publishing),
 )
 
 _REPLACEMENTS: Dict[Tuple[str, str], Tuple[Callable, Callable]] = {}  # (module, name) -> (original, new)
 _PATCHED: List[Tuple[object, str, Callable]] = []  # (module object, attribute, original)
-
-
-def check_signature(original: Callable, replacement: Callable, where: str) -> None:
-    """Every parameter the original accepts must be accepted by the replacement under the same name
-    and kind, otherwise slime's calls could bind differently (a slime version this package does not
-    know)."""
-    ours = inspect.signature(replacement).parameters
-    for name, param in inspect.signature(original).parameters.items():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        if name not in ours or ours[name].kind != param.kind:
-            raise ValueError(
-                f"{where}: slime's signature {inspect.signature(original)} has parameter {name!r} that the "
-                f"replacement {inspect.signature(replacement)} does not take the same way"
-            )
 
 
 def _replacement_for(target: Target) -> Tuple[Callable, Callable]:

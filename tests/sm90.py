@@ -2,22 +2,21 @@
 
 The interpreter runs kernels as NumPy and forgives what the real compiler rejects (type
 mismatches of loop-carried values, unsupported ops); compiling to a cubin catches those here.
-Kernels are compiled through the host functions' own launches (bench/static_launches.py), so the
+Kernels are compiled through the host functions' own launches (bench/static/launches.py), so the
 signatures and specialisation cannot drift from what ships; `bench.static` runs the compiler in a
 fresh process without TRITON_INTERPRET (set for the test session).
 """
 
-from pathlib import Path
+from bench_package import import_bench
 
-from bench.static import Launch, compile_launches, cost, shipped_launches
+import_bench()
+from bench.static import Launch, compile_launches, cost, shipped_launches  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
 
-
-def compile_for_hopper(launches):
-    """Cost-model rows of every kernel the launches start; raises RuntimeError with the compiler's
-    message when one fails to compile."""
-    return [cost(record) for record in compile_launches(launches, extra_path=[TESTS])]
+def compile_for_hopper(launches, extra_path=()):
+    """Cost-model rows of every kernel the launches start (their modules found on sys.path or in
+    `extra_path`); raises RuntimeError with the compiler's message when one fails to compile."""
+    return [cost(record) for record in compile_launches(launches, extra_path=extra_path)]
 
 
 def shipped(prefix: str, keep) -> list:

@@ -14,7 +14,7 @@ Several steps per rollout (--num-steps-per-rollout). slime's DP schedule
 (`slime/utils/dp_schedule.py: build_dp_schedule`) cuts the rollout into training steps before it
 packs micro-batches or balances ranks: rollouts (samples sharing a `rollout_id`; a sample without
 one is a rollout of its own) in order of first appearance, --global-batch-size rollouts per step,
-a trailing remainder dropped. `training_steps` follows that cut (tests/test_upstream_slime_train.py
+a trailing remainder dropped. `training_steps` follows that cut (tests/test_slime/test_upstream_slime_train.py
 checks it against slime's own function). A prompt group's denominator is its mask total, which is
 the same over the step as over the rollout exactly when the whole group lies inside one step, so
 `generate_rollout` refuses a group that spans two steps (or a step and the dropped remainder),
@@ -27,7 +27,7 @@ from typing import Hashable, List, Optional, Sequence
 import torch
 
 from .. import carry
-from ..hooks import load_function
+from ..callables import load_function
 
 
 def generate_rollout(args, rollout_id, data_source, evaluation=False):

@@ -30,7 +30,7 @@ import torch
 from ...sglang_plugin.client import parse_token_samples
 from .. import carry
 from ..carry import SFC_DRAWS_KEY, SFC_VERSIONS_KEY
-from ..hooks import load_function
+from ..callables import load_function
 
 DEFAULT_INNER = "slime.rollout.sglang_rollout.generate"
 NOT_GENERATED = -1  # version of response tokens no /generate call produced

@@ -1,0 +1,74 @@
+"""One measurement pass per (case, subject), shared by the CPU and GPU modes.
+
+A pass runs the forward and then the backward once on a fresh copy of the input, under a memory
+meter (and, on CPU, the byte counter), and checks the outputs and the gradient against the float64
+reference. The GPU mode adds timings (`timing`). Each pass yields one record per phase.
+"""
+
+import contextlib
+
+from ..cases import PHASES
+from ..cpu_meters.aten_ops import tensor_bytes
+from ..cpu_meters.traffic import count_traffic
+from .memory import memory_meter
+from .timing import copy_bandwidth, time_phases
+
+
+def profile(subject, workload, count_bytes: bool):
+    """Run forward then backward once; per phase: error, bytes moved (or None), peak extra memory.
+
+    Peak extra memory is what the phase allocates beyond what was live when it started, less the
+    gradient it returns (every implementation must produce that).
+    """
+    counter = count_traffic if count_bytes else contextlib.nullcontext
+    x = workload.leaf()
+    with memory_meter(x.device) as meter:
+        with counter() as forward_traffic:
+            outputs = subject.run(x, workload)
+        forward_peak, after_forward = meter.peak(), meter.live()
+        meter.reset_peak()
+        with counter() as backward_traffic:
+            grad = workload.backward(x, outputs)
+        backward_peak = meter.peak()
+    forward_error, backward_error = workload.errors(outputs, grad)
+    grad_bytes = tensor_bytes(grad)
+    forward_bytes = forward_traffic and forward_traffic.total
+    backward_bytes = backward_traffic and backward_traffic.total
+    return {
+        "fwd": dict(error=forward_error, bytes_moved=forward_bytes, peak_extra_bytes=forward_peak),
+        "bwd": dict(
+            error=backward_error,
+            bytes_moved=backward_bytes,
+            peak_extra_bytes=backward_peak - after_forward - grad_bytes,
+        ),
+        "fwd+bwd": dict(
+            error=max(forward_error, backward_error),
+            bytes_moved=None if forward_bytes is None else forward_bytes + backward_bytes,
+            peak_extra_bytes=max(forward_peak, backward_peak - grad_bytes),
+        ),
+    }
+
+
+def measure_case(workload, subjects, phases=PHASES, timing=False):
+    """Records (one per subject and phase) for the workload's case; with `timing`, GPU times and
+    bandwidths."""
+    case = workload.case
+    copy_gbps = None
+    if timing:
+        copy_gbps = copy_bandwidth(workload.main_input)
+    records = []
+    for subject in subjects:
+        if not subject.covers(case):
+            continue
+        if timing:
+            profile(subject, workload, count_bytes=False)  # warm-up: compilation, autotuning, caches
+        metrics = profile(subject, workload, count_bytes=not timing)
+        times = {}
+        if timing:
+            times = time_phases(subject, workload, phases)
+        for phase in phases:
+            record = dict(case=case, phase=phase, subject=subject.name, **metrics[phase])
+            record.update(floor_bytes=case.floor_bytes(phase), input_bytes=case.input_bytes)
+            record.update(time_ms=times.get(phase), copy_gbps=copy_gbps)
+            records.append(record)
+    return records

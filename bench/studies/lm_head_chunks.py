@@ -1,0 +1,104 @@
+"""The fused LM head's chunk size, measured, and its cost at GPU shapes, projected:
+`python -m bench.studies.lm_head_chunks`.
+
+On CPU (the Triton interpreter) the peak extra memory of the fused path is measured for several
+chunk sizes beside the unfused path's, each next to the cost model of
+`bench/workloads/linear_token_stats.py`; that model then projects both paths to T = 16384,
+V/tp = 151936, H = 4096 (a projection, not a measurement).
+"""
+
+import argparse
+import sys
+from dataclasses import replace
+
+import torch
+
+from ..cases import DTYPES
+from ..device import pick_device
+from ..harness.measure import profile
+from ..subjects import Subject
+from ..workloads.linear_token_stats import (
+    CPU_HIDDEN,
+    LinearCase,
+    LinearWorkload,
+    cost,
+    run_fused,
+    run_unfused,
+)
+
+PROJECTION = dict(tokens=(4096, 16384), vocab=151936, hidden=4096)
+CHUNK_STUDY = dict(tokens=128, vocab=18992, hidden=CPU_HIDDEN, chunks=(8, 16, 32, 64, 128))
+GIB = 1 << 30
+
+
+def chunk_study(dtype: str, study=CHUNK_STUDY):
+    """Measured peak extra memory (fwd+bwd) of the fused path per chunk size, and of the unfused path:
+    (the case, [(name, fwd+bwd figures, chunk rows or None)])."""
+    fused = Subject("fused", {"linear_token_stats": run_fused})
+    unfused = Subject("unfused", {"linear_token_stats": run_unfused})
+    base = LinearCase(study["tokens"], study["vocab"], dtype, 1, False, hidden=study["hidden"])
+    workload = LinearWorkload.make(base, torch.device("cpu"))
+    rows = [("unfused", profile(unfused, workload, count_bytes=False)["fwd+bwd"], None)]
+    for chunk in study["chunks"]:
+        workload.case = replace(base, chunk_rows=chunk)
+        rows.append((f"fused C={chunk}", profile(fused, workload, count_bytes=False)["fwd+bwd"], chunk))
+    return base, rows
+
+
+def _mib(nbytes) -> str:
+    return f"{nbytes / (1 << 20):.2f}"
+
+
+def format_chunk_study(base, rows) -> str:
+    model = {chunk: cost(base.tokens, base.hidden, base.vocab, base.torch_dtype.itemsize, chunk)
+             for _, _, chunk in rows if chunk}  # fmt: skip
+    unfused_extra = 2 * base.input_bytes
+    lines = [f"{base.dtype}: T={base.tokens} H={base.hidden} V={base.vocab} J=1; unfused logits + gradient = "
+             f"{_mib(unfused_extra)} MiB",
+             f"{'path':<14}{'extra MiB':>11}{'model MiB':>11}{'of unfused logits+grad':>24}{'err':>10}"]  # fmt: skip
+    for name, figures, chunk in rows:
+        predicted = _mib(model[chunk]["fused_extra"]) if chunk else _mib(unfused_extra)
+        share = f"{100 * figures['peak_extra_bytes'] / unfused_extra:.1f}%"
+        lines.append(f"{name:<14}{_mib(figures['peak_extra_bytes']):>11}{predicted:>11}{share:>24}{figures['error']:>10.1e}")
+    return "\n".join(lines)
+
+
+def format_projection() -> str:
+    """The cost model at the issue's GPU shapes, default chunk, for both dtypes."""
+    from fusedrl.kernels.linear_token_stats import (
+        default_chunk_rows,  # imports triton: after pick_device
+    )
+
+    lines = ["projection (cost model, not a measurement): H = 4096, V/tp = 151936, default chunk, all rows selected",
+             f"{'dtype':<6}{'T':>7}{'C':>6}{'unfused extra GiB':>19}{'fused extra GiB':>17}{'of which chunk':>16}"
+             f"{'fused/unfused':>15}{'fused/slime fp32':>18}{'GEMM TFLOP f/u':>16}{'GB moved f/u':>15}"]  # fmt: skip
+    for dtype in ("bf16", "fp32"):
+        itemsize = DTYPES[dtype].itemsize
+        for tokens in PROJECTION["tokens"]:
+            vocab, hidden = PROJECTION["vocab"], PROJECTION["hidden"]
+            chunk = default_chunk_rows(tokens, vocab, itemsize)
+            c = cost(tokens, hidden, vocab, itemsize, chunk)
+            slime_fp32 = 2 * tokens * vocab * 4  # slime's path holds the logits and their gradient in fp32
+            lines.append(
+                f"{dtype:<6}{tokens:>7}{chunk:>6}{c['unfused_extra'] / GIB:>19.2f}{c['fused_extra'] / GIB:>17.2f}"
+                f"{c['fused_chunk_extra'] / GIB:>16.2f}{100 * c['fused_extra'] / c['unfused_extra']:>14.1f}%"
+                f"{100 * c['fused_extra'] / slime_fp32:>17.1f}%"
+                f"{c['fused_flops'] / 1e12:>8.1f}/{c['unfused_flops'] / 1e12:<7.1f}"
+                f"{c['fused_bytes'] / 1e9:>8.1f}/{c['unfused_bytes'] / 1e9:<6.1f}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """Chunk-size study (measured, CPU interpreter) and the projection to the GPU shapes."""
+    parser = argparse.ArgumentParser(prog="python -m bench.studies.lm_head_chunks", description=main.__doc__)
+    parser.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    args = parser.parse_args(argv)
+    pick_device("cpu")
+    for dtype in args.dtype:
+        print(format_chunk_study(*chunk_study(dtype)), end="\n\n")
+    print(format_projection())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

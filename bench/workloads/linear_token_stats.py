@@ -1,0 +1,186 @@
+"""The fused LM head (`linear_token_stats`) against the unfused path: cases, inputs, truth, costs.
+
+`python -m bench --op linear_token_stats` measures it like the other ops (the `eager` subject is
+the unfused path here: the matmul in the layer's dtype, then `token_stats`; `extra` is a share of
+the unfused logits). `python -m bench.studies.lm_head_chunks` measures the peak extra memory of both
+paths as the chunk grows, next to the cost model below, and projects that model to T = 16384,
+V/tp = 151936, H = 4096 (a projection, not a measurement).
+
+Cost model, per fwd+bwd with all T rows selected, C rows per chunk, k = ceil(T / C) chunks, b
+bytes per element of the layer's dtype:
+- GEMM flops: unfused 6 T V H (forward, dhidden, dweight); fused 8 T V H (the forward GEMM again
+  in the backward, to recompute the logits).
+- Peak extra memory (beyond inputs and returned gradients): unfused T V b logits kept for the
+  backward plus their T V b gradient; fused one C V b chunk of logits, plus the fp32 [V, H]
+  weight-gradient accumulator when b < 4 (for fp32 weights it is the returned gradient).
+- Bytes each GEMM and kernel must move (operands read once, results written once): both paths
+  write and read every logit in the forward and read, write and read them again in the backward;
+  the fused path adds the recompute GEMM (the layer read, the logits written once more), re-reads
+  the weight once per chunk in each of its three GEMMs, and reads and writes the fp32 accumulator
+  once per chunk where the unfused path writes the weight gradient once.
+"""
+
+import gc
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..cases import FLOOR_PASSES, Case
+from ..harness.accuracy import RelativeError
+
+# Hidden width of the cases: Qwen3-8B's 4096 on a GPU; 16x smaller on CPU, like the CPU grid's T
+# and V (bench/cases.py), so the interpreter finishes in minutes.
+GPU_HIDDEN, CPU_HIDDEN = 4096, 256
+REFERENCE_CHUNK_BYTES = 1 << 28  # rows of float64 truth computed at a time
+
+
+@dataclass(frozen=True)
+class LinearCase(Case):
+    """One LM-head problem: hidden [T, H] and weight [V, H] of `dtype`, J ids per row. Its
+    `input_bytes` are the unfused path's logits [T, V]: what the fused path never holds."""
+
+    op = "linear_token_stats"
+    hidden: int = CPU_HIDDEN
+    chunk_rows: Optional[int] = None  # None: the op's default
+
+    def floor_bytes(self, phase: str) -> int:
+        """Hidden states and weight read once per pass (the gradients written once in backward)."""
+        return FLOOR_PASSES[phase] * (self.tokens + self.vocab) * self.hidden * self.torch_dtype.itemsize
+
+    @property
+    def label(self) -> str:
+        chunk = "" if self.chunk_rows is None else f" C={self.chunk_rows}"
+        return f"lm D={self.hidden}{chunk} {super().label}"
+
+    def fields(self) -> dict:
+        return dict(super().fields(), hidden=self.hidden, chunk_rows=self.chunk_rows)
+
+
+def head_cases(token_cases, gpu: bool):
+    """The LM-head twin of each token-statistics case (same T, V/tp, dtype, J, entropy)."""
+    width = GPU_HIDDEN if gpu else CPU_HIDDEN
+    return [LinearCase(c.tokens, c.vocab, c.dtype, c.ids_per_row, c.entropy, c.temperature, width) for c in token_cases]
+
+
+class Layer(NamedTuple):
+    """The differentiable input of an LM-head case; `device` as the benchmark asks of any input."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+
+@dataclass
+class LinearWorkload:
+    """Hidden states, weight, ids and upstream gradients; the differentiable input is the pair
+    (hidden, weight), the outputs (logp, entropy)."""
+
+    case: LinearCase
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    ids: torch.Tensor
+    logp_grad: torch.Tensor
+    entropy_grad: Optional[torch.Tensor]
+
+    @classmethod
+    def make(cls, case, device, seed=0):
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+        def normal(*shape):
+            return torch.randn(shape, device=device, generator=generator)
+
+        hidden = normal(case.tokens, case.hidden)
+        weight = normal(case.vocab, case.hidden).mul_(2.0 / math.sqrt(case.hidden))  # logits ~ N(0, 4)
+        ids = torch.randint(0, case.vocab, (case.tokens, case.ids_per_row), device=device, generator=generator)
+        entropy_grad = normal(case.tokens) if case.entropy else None
+        dtype = case.torch_dtype
+        return cls(case, hidden.to(dtype), weight.to(dtype), ids, normal(*ids.shape), entropy_grad)
+
+    @property
+    def main_input(self) -> torch.Tensor:
+        return self.hidden
+
+    def leaf(self) -> Layer:
+        return Layer(self.hidden.detach().clone().requires_grad_(), self.weight.detach().clone().requires_grad_())
+
+    def backward(self, layer, outputs, rows=slice(None)):
+        """(d hidden, d weight) of sum logp * logp_grad + sum entropy * entropy_grad over `rows`."""
+        logp, entropy = outputs
+        loss = (logp.double() * self.logp_grad[rows]).sum()
+        if entropy is not None:
+            loss = loss + (entropy.double() * self.entropy_grad[rows]).sum()
+        return torch.autograd.grad(loss, list(layer))
+
+    def errors(self, outputs, grads):
+        """(forward, backward) relative errors against float64, row chunk by row chunk: forward the
+        worse of logp and entropy, backward the worse of d hidden and d weight."""
+        from fusedrl.kernels import token_logprobs_reference
+
+        case = self.case
+        weight = self.weight.double().requires_grad_()
+        chunk = max(1, REFERENCE_CHUNK_BYTES // (case.vocab * 8))
+        error = RelativeError()
+        truth_weight = torch.zeros_like(weight)
+        for start in range(0, case.tokens, chunk):
+            rows = slice(start, start + chunk)
+            hidden = self.hidden[rows].double().requires_grad_()
+            truth = token_logprobs_reference(
+                hidden @ weight.t(), self.ids[rows], temperature=case.temperature, with_entropy=case.entropy
+            )
+            error.add("logp", outputs[0][rows], truth[0])
+            if case.entropy:
+                error.add("entropy", outputs[1][rows], truth[1])
+            truth_hidden, chunk_weight = self.backward(Layer(hidden, weight), truth, rows)
+            error.add("dhidden", grads[0][rows], truth_hidden)
+            truth_weight += chunk_weight
+        error.add("dweight", grads[1], truth_weight)
+        return error.worst("logp", "entropy"), error.worst("dhidden", "dweight")
+
+
+def run_fused(layer, workload):
+    from fusedrl.kernels import linear_token_stats
+
+    case = workload.case
+    stats = linear_token_stats(*layer, workload.ids, temperature=case.temperature, with_entropy=case.entropy,
+                               chunk_rows=case.chunk_rows)  # fmt: skip
+    if layer.device.type == "cpu":
+        # The Triton interpreter keeps every tensor it launched a kernel on in a reference cycle
+        # until the next collection, which would count the forward's freed chunk buffer as live
+        # into the backward; a GPU frees it when the forward returns.
+        gc.collect()
+    return stats.logp, stats.entropy
+
+
+def run_unfused(layer, workload):
+    """The path the fused one replaces: the logits in the layer's dtype, then token_stats."""
+    from fusedrl.kernels import token_logprobs
+
+    hidden, weight = layer
+    case = workload.case
+    return token_logprobs(hidden @ weight.t(), workload.ids, temperature=case.temperature, with_entropy=case.entropy)
+
+
+def cost(tokens, hidden, vocab, itemsize, chunk_rows) -> dict:
+    """The cost model of the module docstring, fwd+bwd: GEMM flops, bytes moved, peak extra bytes."""
+    chunks = math.ceil(tokens / chunk_rows)
+    logits, layer = tokens * vocab * itemsize, (tokens + vocab) * hidden * itemsize
+    weight, accumulator = vocab * hidden * itemsize, vocab * hidden * 4
+    unfused_bytes = 3 * layer + 6 * logits  # 3 GEMMs, the two token_stats passes (read, read + write)
+    # + the recompute GEMM (reads the layer, writes the logits), the weight re-read per chunk by
+    # each of the 3 fused GEMMs, the accumulator read and written per chunk instead of dweight once
+    fused_bytes = unfused_bytes + layer + logits + 3 * (chunks - 1) * weight + 2 * chunks * accumulator - weight
+    chunk_extra = min(chunk_rows, tokens) * vocab * itemsize
+    return dict(
+        unfused_flops=6 * tokens * vocab * hidden,
+        fused_flops=8 * tokens * vocab * hidden,
+        unfused_bytes=unfused_bytes,
+        fused_bytes=fused_bytes,
+        unfused_extra=2 * logits,
+        fused_extra=chunk_extra + (accumulator if itemsize < 4 else 0),
+        fused_chunk_extra=chunk_extra,
+    )

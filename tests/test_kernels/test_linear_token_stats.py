@@ -1,0 +1,215 @@
+"""Parity of the fused LM head + token statistics with a float64 truth built from hidden @ weight.T.
+
+Shapes are chosen to break the chunking as well as the kernels: a chunk size that does not divide
+the rows, one row per chunk, a chunk larger than the selection, V = 1, a prime V, V just above the
+kernels' block (4099 > 4096), repeated ids, selected rows out of order, an empty selection. The
+LM head runs on the `device` fixture's device, the float64 truth on CPU
+(tests/test_kernels/test_device_fixture.py checks that every tensor the kernels receive here is on it).
+"""
+
+import gc
+
+import pytest
+import torch
+from bench_package import import_bench
+from lm_head_cases import head_with_grad, random_layer, truth_head
+from numerics import rel_err
+from token_stats_cases import loss_of, make_ids, upstream_grads
+
+import_bench()
+from bench.harness.memory import TensorTally  # noqa: E402
+
+from fusedrl.kernels import TokenStats, linear_token_stats, token_stats, token_stats_reference
+from fusedrl.kernels.linear_token_stats import default_chunk_rows
+
+FP32_TOL = 1e-5
+
+
+def unfused_head(hidden, weight, ids, **kwargs):
+    """The path the fused one replaces: the matmul in the layer's dtype, then token_stats."""
+    kwargs.pop("chunk_rows", None)
+    return token_stats(hidden @ weight.t(), ids, **kwargs)
+
+
+def eager_head(hidden, weight, ids, *, temperature, with_entropy, rows=None, **_):
+    """The matmul in the layer's dtype, then an fp32 log-softmax: the bar for low precision."""
+    logits = (hidden if rows is None else hidden[rows]) @ weight.t()
+    tempered = logits.float() / temperature
+    log_probs = torch.log_softmax(tempered, dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    return log_probs.gather(1, ids), entropy, tempered.gather(1, ids)
+
+
+CASES = [
+    # (T, H, V, J, temperature, with_entropy, chunk_rows, rows)
+    (13, 24, 1, 1, 1.0, True, 4, None),
+    (24, 32, 7, 9, 0.7, True, 5, [20, 3, 4, 0, 11, 17, 9]),
+    (24, 32, 1000, 9, 0.7, True, 7, None),
+    (17, 16, 4099, 3, 1.0, False, 64, [16, 0, 5]),
+    (20, 48, 1000, 1, 0.7, True, 1, [2, 19, 7]),
+    (40, 16, 333, 2, 1.3, True, None, None),
+]
+
+
+@pytest.mark.parametrize("num_rows,width,vocab,num_ids,temperature,with_entropy,chunk_rows,rows", CASES)
+def test_fp32_outputs_and_gradients_match_float64(num_rows, width, vocab, num_ids, temperature, with_entropy,
+                                                  chunk_rows, rows, device):  # fmt: skip
+    gen = torch.Generator().manual_seed(num_rows * 1000 + vocab)
+    hidden, weight = random_layer(num_rows, width, vocab, torch.float32, gen)
+    rows = None if rows is None else torch.tensor(rows)
+    ids = make_ids(num_rows if rows is None else rows.numel(), vocab, num_ids, gen)
+    kwargs = dict(temperature=temperature, with_entropy=with_entropy, rows=rows, chunk_rows=chunk_rows)
+    stats, grads, (grad_hidden, grad_weight) = head_with_grad(
+        linear_token_stats, hidden, weight, ids, device=device, **kwargs
+    )
+    truth, _, (truth_hidden, truth_weight) = head_with_grad(truth_head, hidden, weight, ids, grads, **kwargs)
+    assert (stats.entropy is None) == (not with_entropy)
+    for name, out, ref in zip(truth._fields, stats, truth):
+        if ref is not None:
+            assert out.dtype == torch.float32
+            assert rel_err(out, ref) < FP32_TOL, name
+    assert grad_hidden.dtype == grad_weight.dtype == torch.float32
+    assert rel_err(grad_hidden, truth_hidden) < FP32_TOL
+    assert rel_err(grad_weight, truth_weight) < FP32_TOL
+    if rows is not None:
+        unselected = torch.ones(num_rows, dtype=torch.bool)
+        unselected[rows] = False
+        assert torch.equal(grad_hidden[unselected], torch.zeros_like(grad_hidden[unselected]))
+
+
+@pytest.mark.parametrize("vocab,rows", [(7, None), (4099, [9, 1, 2, 14, 6])])
+def test_bf16_no_worse_than_the_unfused_and_eager_paths(vocab, rows, device):
+    """Outputs: no worse than the eager bf16 matmul + fp32 log-softmax. Gradients: no worse than the
+    unfused path (same matmul, same token_stats kernel); the eager path's bf16 gradients are the bar
+    on a GPU, where the kernel rounds its fp32 gradient to bf16 as autograd does, but not under the
+    Triton interpreter, which truncates (see README)."""
+    gen = torch.Generator().manual_seed(vocab)
+    hidden, weight = random_layer(16, 64, vocab, torch.bfloat16, gen)
+    rows = None if rows is None else torch.tensor(rows)
+    ids = make_ids(16 if rows is None else rows.numel(), vocab, 9, gen)
+    kwargs = dict(temperature=0.7, with_entropy=True, rows=rows)
+    stats, grads, fused_grads = head_with_grad(
+        linear_token_stats, hidden, weight, ids, device=device, chunk_rows=3, **kwargs
+    )
+    truth, _, truth_grads = head_with_grad(truth_head, hidden, weight, ids, grads, **kwargs)
+    unfused, _, unfused_grads = head_with_grad(unfused_head, hidden, weight, ids, grads, device=device, **kwargs)
+    eager, _, _ = head_with_grad(eager_head, hidden, weight, ids, grads, device=device, **kwargs)
+    slack = 1e-6
+    for out, ref, base, unfused_out in zip(stats, truth, eager, unfused):
+        assert rel_err(out, ref) <= rel_err(base, ref) + slack
+        assert rel_err(out, ref) <= rel_err(unfused_out, ref) + slack
+    for grad, ref, base in zip(fused_grads, truth_grads, unfused_grads):
+        assert grad.dtype == torch.bfloat16
+        assert rel_err(grad, ref) <= rel_err(base, ref) * 1.05 + slack
+
+
+@pytest.mark.parametrize("used", TokenStats._fields)
+def test_a_loss_of_one_output_alone_gets_the_exact_gradients(used, device):
+    """Outputs a loss does not use reach the backward as None (no zeros filled for them)."""
+    gen = torch.Generator().manual_seed(13)
+    hidden, weight = random_layer(12, 16, 301, torch.float32, gen)
+    ids, kwargs = make_ids(12, 301, 3, gen), dict(temperature=0.7, with_entropy=True, chunk_rows=5)
+    grads = upstream_grads(truth_head(hidden, weight, ids, **kwargs), gen)
+    grads = [grad if name == used else None for name, grad in zip(TokenStats._fields, grads)]
+    _, _, fused = head_with_grad(linear_token_stats, hidden, weight, ids, grads, device=device, **kwargs)
+    _, _, truth = head_with_grad(truth_head, hidden, weight, ids, grads, **kwargs)
+    for grad, truth_grad in zip(fused, truth):
+        assert rel_err(grad, truth_grad) < FP32_TOL
+
+
+def test_empty_selection_gives_empty_outputs_and_zero_gradients(device):
+    hidden, weight = random_layer(6, 8, 50, torch.float32, torch.Generator().manual_seed(0))
+    stats, _, (grad_hidden, grad_weight) = head_with_grad(
+        linear_token_stats, hidden, weight, torch.zeros(0, 3, dtype=torch.long),
+        rows=torch.zeros(0, dtype=torch.long), with_entropy=True, device=device,
+    )  # fmt: skip
+    assert stats.logp.shape == (0, 3) and stats.entropy.shape == (0,)
+    assert torch.equal(grad_hidden, torch.zeros_like(grad_hidden))
+    assert torch.equal(grad_weight, torch.zeros_like(grad_weight))
+
+
+def test_a_frozen_weight_or_hidden_gets_no_gradient_and_the_other_the_same_one(device):
+    gen = torch.Generator().manual_seed(2)
+    hidden, weight = random_layer(10, 16, 300, torch.float32, gen)
+    ids = make_ids(10, 300, 2, gen)
+    kwargs = dict(with_entropy=True, chunk_rows=4)
+    stats, grads, (both_hidden, both_weight) = head_with_grad(
+        linear_token_stats, hidden, weight, ids, device=device, **kwargs
+    )
+    hidden, weight, ids = hidden.to(device), weight.to(device), ids.to(device)
+    for trainable, expected in ((hidden, both_hidden), (weight, both_weight)):
+        leaf = trainable.clone().requires_grad_(True)
+        args = (leaf, weight) if trainable is hidden else (hidden, leaf)
+        (grad,) = torch.autograd.grad(loss_of(linear_token_stats(*args, ids, **kwargs), grads), [leaf])
+        assert torch.equal(grad.cpu(), expected)
+
+
+def test_same_inputs_give_bitwise_identical_results(device):
+    gen = torch.Generator().manual_seed(13)
+    hidden, weight = random_layer(16, 32, 4099, torch.float32, gen)
+    ids = make_ids(16, 4099, 9, gen)
+    kwargs = dict(with_entropy=True, temperature=0.7, chunk_rows=5)
+    first = head_with_grad(linear_token_stats, hidden, weight, ids, device=device, **kwargs)
+    second = head_with_grad(linear_token_stats, hidden, weight, ids, device=device, **kwargs)
+    for a, b in zip(first[0], second[0]):
+        assert torch.equal(a, b)
+    for a, b in zip(first[2], second[2]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", [None, list(range(0, 64, 2))])
+def test_one_chunk_of_logits_is_alive_at_a_time(rows, device):
+    """Peak allocations of forward and backward, less the returned gradients, stay within one
+    chunk's logits plus per-row bookkeeping: far below the [T, V] logits."""
+    gen = torch.Generator().manual_seed(4)
+    num_rows, width, vocab, num_ids, chunk = 64, 16, 2000, 3, 8
+    hidden, weight = random_layer(num_rows, width, vocab, torch.float32, gen)
+    rows = None if rows is None else torch.tensor(rows, device=device)
+    selected = num_rows if rows is None else rows.numel()
+    ids = make_ids(selected, vocab, num_ids, gen).to(device)
+    hidden = hidden.to(device).requires_grad_(True)
+    weight = weight.to(device).requires_grad_(True)
+    chunk_logits = chunk * vocab * 4
+    # per row: the partials and the float64 combine's temporaries; per chunk: the gathered rows
+    bookkeeping = 16 * selected * (3 + num_ids) * 8 + 2 * chunk * width * 4
+    with TensorTally() as tally:
+        stats = linear_token_stats(hidden, weight, ids, rows=rows, with_entropy=True, chunk_rows=chunk)
+        forward_peak = tally.peak()
+        gc.collect()  # the Triton interpreter's argument closures keep launched tensors in a cycle
+        tally.reset_peak()
+        grads = torch.autograd.grad(stats.logp.sum() + stats.entropy.sum(), [hidden, weight])
+        backward_peak = tally.peak() - sum(g.numel() * g.element_size() for g in grads)
+    assert forward_peak <= chunk_logits + bookkeeping
+    assert backward_peak <= chunk_logits + bookkeeping
+    assert chunk_logits + bookkeeping < num_rows * vocab * 4 / 2
+
+
+def test_default_chunk_rows_follows_its_stated_rules():
+    vocab, itemsize = 151936, 2
+    assert default_chunk_rows(16384, vocab, itemsize) == 768  # the floor of 768 rows beats T / 32
+    assert default_chunk_rows(65536, vocab, itemsize) == 2048  # T / 32
+    assert default_chunk_rows(300, vocab, itemsize) == 300  # fewer rows than the floor: one chunk
+    assert default_chunk_rows(0, vocab, itemsize) == 1
+    quarter_holds = 4 * 100 * vocab * itemsize  # free memory whose quarter holds 100 rows of logits
+    assert default_chunk_rows(16384, vocab, itemsize, free_bytes=quarter_holds) == 100
+    assert default_chunk_rows(16384, vocab, itemsize, free_bytes=0) == 1
+
+
+def test_cpu_without_interpreter_takes_the_unfused_path(monkeypatch):
+    """CPU only, whatever the test device: the CPU dispatch outside the interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = torch.Generator().manual_seed(17)
+    hidden, weight = random_layer(5, 8, 30, torch.float32, gen)
+    ids = make_ids(5, 30, 2, gen)
+    fused = linear_token_stats(hidden, weight, ids, with_entropy=True)
+    reference = token_stats_reference(hidden @ weight.t(), ids, with_entropy=True)
+    for a, b in zip(fused, reference):
+        assert torch.equal(a, b)
+
+
+def test_low_precision_weight_gradient_sums_in_fp32_on_every_device():
+    """Where torch cannot add a bf16 GEMM into an fp32 matrix (CPU), the operands are upcast: the
+    probe says which, and either way the sums are fp32 (the bf16 test above checks the values)."""
+    from fusedrl.kernels.linear_token_stats import _adds_low_precision_products_in_fp32
+
+    assert _adds_low_precision_products_in_fp32("cpu", torch.bfloat16) is False
