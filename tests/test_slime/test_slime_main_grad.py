@@ -8,7 +8,8 @@ tied to the embedding as GPTModel ties it, `zero_out_wgrad` set) wrapped in mega
 `DistributedDataParallel` (overlap_grad_reduce on and off): three micro-batches through
 megatron-core's own `forward_step` (which divides by num_microbatches) and `backward_step` (which
 applies `config.grad_scale_func`, here a loss scale of 4), the first two under `no_sync`, then
-megatron-core's `finalize_model_grads`. The package's policy loss runs inside slime's
+megatron-core's `finalize_model_grads`; also a one-layer megatron-core GPTModel built by slime's real
+model provider through the init hook (`install`), tied and untied. The package's policy loss runs inside slime's
 `loss_function`, wrapped by `main_grad.publishing` as the init hook wraps it. Every parameter's
 `main_grad` after the step equals the unfused output layer's (its weight gradient through
 autograd and DDP's hook) within 1e-5, with the sample-mean and the per-token (token_mean)
@@ -18,6 +19,7 @@ and forward-only passes (no grad mode) leave every `main_grad` untouched.
 """
 
 import functools
+from argparse import Namespace
 
 import pytest
 import torch
@@ -67,38 +69,87 @@ def _model(config, tied: bool, seed: int):
     return Tiny()
 
 
-def _step(info, case, fused: bool, scale_error: bool = False):
-    """One training step on this rank: every parameter's main_grad after it, the output weight's
-    main_grad before the first backward, and (scale_error) the error a wrongly scaled backward raises."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.enums import ModelType
-    from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+class Built:
+    """A model wrapped in megatron-core's DDP, its config, output weight and forward on packed tokens."""
+
+    def __init__(self, ddp, config, weight, forward):
+        self.ddp, self.config, self.weight, self.forward = ddp, config, weight, forward
+
+
+def _ddp(config, model, overlap):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=overlap), model)
+    config.grad_scale_func = lambda loss: LOSS_SCALE * loss
+    config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def _tiny(overlap, tied, per_token, fused, args):
+    """The tiny model above, its output layer handed off (fused) as the provider would."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    import slime.backends.megatron_utils.loss as slime_loss
+    from fusedrl.slime_ext import lm_head
 
-    from fusedrl.slime_ext import lm_head, main_grad
-    from fusedrl.slime_ext.logprobs import get_log_probs_and_entropy
-
-    overlap, tied, per_token = case
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, use_cpu_initialization=True,
         calculate_per_token_loss=per_token,
     )  # fmt: skip
     model = _model(config, tied, seed=5)
-    ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=None), model
-    )  # fmt: skip
-    config.grad_scale_func = lambda loss: LOSS_SCALE * loss
-    config.no_sync_func = ddp.no_sync
-    layer = model.output_layer
-    weight = model.embedding if tied else layer.weight
+    ddp = _ddp(config, model, overlap)
     if fused:
-        lm_head.hand_off(layer)
+        lm_head.hand_off(model.output_layer)
+    return Built(ddp, config, model.embedding if tied else model.output_layer.weight, ddp)
+
+
+def _gpt(overlap, tied, per_token, fused, args):
+    """A one-layer megatron-core GPTModel built by slime's real model provider, through the init
+    hook's wrapper when fused (GPTModel sets `zero_out_wgrad` itself when tied)."""
+    import slime.backends.megatron_utils.model as slime_model
+    import test_slime_fused_lm_head_upstream as gpt
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    import fusedrl.slime_ext as fusedrl_slime
+
+    assert not per_token
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # no CUDA RNG to fork; dropout is 0
+    gpt.TIED[0] = tied
+    torch.manual_seed(0)
+    build_args = Namespace(**vars(args), fusedrl_fused_lm_head=True, custom_model_provider_path="test_slime_fused_lm_head_upstream.tiny_gpt")
+    if fused:
+        fusedrl_slime.install(build_args)
+    model = slime_model.get_model_provider_func(build_args, "actor")(pre_process=True, post_process=True)
+    ddp = _ddp(model.config, model, overlap)
+
+    def forward(tokens):
+        length = tokens.numel()
+        causal = torch.triu(torch.ones(1, 1, length, length, dtype=torch.bool), diagonal=1)
+        return ddp(input_ids=tokens.unsqueeze(0), position_ids=torch.arange(length).unsqueeze(0), attention_mask=causal)
+
+    weight = model.embedding.word_embeddings.weight if tied else model.output_layer.weight
+    return Built(ddp, model.config, weight, forward)
+
+
+def _step(info, case, fused: bool, scale_error: bool = False):
+    """One training step on this rank: every parameter's main_grad after it, the output weight's
+    main_grad after the first forward, and (scale_error) the error a wrongly scaled backward raises."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+
+    import slime.backends.megatron_utils.loss as slime_loss
+
+    import fusedrl.slime_ext as fusedrl_slime
+    from fusedrl.slime_ext import lm_head, main_grad
+    from fusedrl.slime_ext.logprobs import get_log_probs_and_entropy
+
+    overlap, tied, per_token, model_kind = case
     args = slime_args(
         entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, eps_clip_c=3.0,
         loss_aggregation="token_mean" if per_token else "sample_mean", calculate_per_token_loss=per_token,
     )  # fmt: skip
+    built = (_gpt if model_kind == "gpt" else _tiny)(overlap, tied, per_token, fused, args)
+    ddp, config, weight = built.ddp, built.config, built.weight
     loss_function = main_grad.publishing(slime_loss.loss_function)
     batches = []
     for i, (totals, responses) in enumerate(zip(TOTALS, RESPONSES)):
@@ -111,7 +162,7 @@ def _step(info, case, fused: bool, scale_error: bool = False):
 
     def forward_step_func(data_iterator, model_):
         batch = next(data_iterator)
-        output = model_(batch["tokens"])
+        output = built.forward(batch["tokens"])
         return output, functools.partial(loss_function, args, batch, NUM_MICROBATCHES, step_global_batch_size)
 
     ddp.zero_grad_buffer()
@@ -119,11 +170,11 @@ def _step(info, case, fused: bool, scale_error: bool = False):
     try:
         with torch.no_grad():  # a forward-only pass (old log-probs) computes no gradient
             get_log_probs_and_entropy(
-                ddp(batches[0]["tokens"]), args=args, unconcat_tokens=batches[0]["unconcat_tokens"],
+                built.forward(batches[0]["tokens"]), args=args, unconcat_tokens=batches[0]["unconcat_tokens"],
                 total_lengths=batches[0]["total_lengths"], response_lengths=batches[0]["response_lengths"],
                 with_entropy=True,
             )  # fmt: skip
-        seen["untouched by forward-only"] = all(not bool(p.main_grad.any()) for p in model.parameters())
+        seen["untouched by forward-only"] = all(not bool(p.main_grad.any()) for p in ddp.module.parameters())
         data = iter(batches)
         for i in range(NUM_MICROBATCHES):
             context = ddp.no_sync() if i < NUM_MICROBATCHES - 1 else torch.enable_grad()
@@ -143,8 +194,9 @@ def _step(info, case, fused: bool, scale_error: bool = False):
                 seen.setdefault("grad after backward", weight.grad)
         finalize_model_grads([ddp], num_tokens=None)
     finally:
+        fusedrl_slime.uninstall()
         lm_head.restore()
-    seen["main_grads"] = {name: p.main_grad.clone() for name, p in model.named_parameters()}
+    seen["main_grads"] = {name: p.main_grad.clone() for name, p in ddp.module.named_parameters()}
     return seen
 
 
@@ -154,11 +206,13 @@ def _rank(info, case):
     return {fused: _step(info, case, fused) for fused in (False, True)}, _step(info, case, True, scale_error=True)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["no_overlap", "overlap"])
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("per_token", [False, True], ids=["sample_mean", "per_token"])
-def test_main_grad_equals_the_unfused_path(overlap, tied, per_token):
-    for results, scale_error in get_pool(1, 1, dp=2).run(_rank, (overlap, tied, per_token)):
+CASES = [(overlap, tied, per_token, "tiny") for overlap in (False, True) for tied in (False, True) for per_token in (False, True)]
+CASES += [(True, True, False, "gpt"), (False, False, False, "gpt")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join([["no_overlap", "overlap"][c[0]], ["untied", "tied"][c[1]], ["sample_mean", "per_token"][c[2]], c[3]]))
+def test_main_grad_equals_the_unfused_path(case):
+    for results, scale_error in get_pool(1, 1, dp=2).run(_rank, case):
         unfused, fused = results[False], results[True]
         for seen in (unfused, fused):
             assert seen["untouched by forward-only"]
