@@ -20,6 +20,7 @@ output layer's forward, which the model calls with the weight it multiplies by (
 embedding weight when tied), records it here for the loss that reads that output next.
 """
 
+import logging
 import types
 from typing import List, Optional
 
@@ -45,6 +46,15 @@ class _HandOffs:
 
 
 _STATE = _HandOffs()
+_logger = logging.getLogger(__name__)
+_LOGGED = set()
+
+
+def log_path_once(reader: str, path: str) -> None:
+    """Log, once per process and `reader`, which LM-head path computes what it reads."""
+    if (reader, path) not in _LOGGED:
+        _LOGGED.add((reader, path))
+        _logger.info("fusedrl %s: fused LM head, %s", reader, path)
 
 
 def _handed_off_forward(layer, input_, weight=None, runtime_gather_output=None):

@@ -17,7 +17,6 @@ being recorded (the op's forward would compute one for nothing). slime's own los
 `install` keep the recompute path: they read log-probs from `get_log_probs_and_entropy`.
 """
 
-import logging
 from typing import Callable
 
 import torch
@@ -27,27 +26,17 @@ from ..kernels import linear_token_loss as kernel_linear_token_loss
 from . import lm_head, main_grad, megatron
 from .responses import ResponseTokens
 
-logger = logging.getLogger(__name__)
-_LOGGED = set()
-
-
-def _log_once(loss_name: str, path: str) -> None:
-    if (loss_name, path) not in _LOGGED:
-        _LOGGED.add((loss_name, path))
-        logger.info("fusedrl %s: %s", loss_name, path)
-
-
 def applies(tokens: ResponseTokens, loss_name: str) -> bool:
     """Whether `loss_name`'s call on these tokens runs the one-pass path (logged once)."""
     if lm_head.output_weight() is None:
         return False
     if tokens.allgather:
-        _log_once(loss_name, "fused LM head, recompute path (allgather context parallelism)")
+        lm_head.log_path_once(loss_name, "recompute path (allgather context parallelism)")
         return False
     if not torch.is_grad_enabled():
-        _log_once(loss_name, "fused LM head, recompute path (no gradient recorded)")
+        lm_head.log_path_once(loss_name, "recompute path (no gradient recorded)")
         return False
-    _log_once(loss_name, "fused LM head, one-pass path (gradient in the forward)")
+    lm_head.log_path_once(loss_name, "one-pass path (gradient in the forward)")
     return True
 
 

@@ -78,14 +78,14 @@ def _run_once(info, layer, weight, x, args, batch, loss_fn, fused):
 
 def _rank_paths(info, case, full_hidden, full_weight, samples, extras):
     """Per embedding mode (untied, tied): unfused and fused results, and the paths logged."""
-    from fusedrl.slime_ext import one_pass
+    from fusedrl.slime_ext import lm_head
     from fusedrl.slime_ext.age import CLOCK
     from fusedrl.slime_ext.callables import load_function
 
     _on_cpu_megatron()
     saved = CLOCK.push_steps, CLOCK.steps_started
     CLOCK.push_steps, CLOCK.steps_started = dict(PUSHES), STEPS_STARTED
-    one_pass._LOGGED.clear()
+    lm_head._LOGGED.clear()
     try:
         args = _args(case)
         batch = _batch(info, case, samples, extras)
@@ -102,7 +102,7 @@ def _rank_paths(info, case, full_hidden, full_weight, samples, extras):
             if not tied:
                 layer.weight.data.copy_(shard)
             results[tied] = [_run_once(info, layer, weight, x, args, batch, loss_fn, fused) for fused in (False, True)]
-        return results, sorted(one_pass._LOGGED)
+        return results, sorted(path for path in lm_head._LOGGED if path[0] != "log-probs")
     finally:
         CLOCK.push_steps, CLOCK.steps_started = saved
 
