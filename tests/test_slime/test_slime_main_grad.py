@@ -14,7 +14,8 @@ model provider through the init hook (`install`), tied and untied. The package's
 `main_grad` after the step equals the unfused output layer's (its weight gradient through
 autograd and DDP's hook) within 1e-5, with the sample-mean and the per-token (token_mean)
 scalings; the output weight's gradient went into `main_grad` in the forward (its `.grad` only
-carried megatron's dummy); a backward whose incoming gradient is not the scale raises naming both;
+carried megatron's dummy), except under --recompute-loss-function (slime's checkpoint runs the
+loss twice: the per-call buffer, no scale assumed); a backward whose incoming gradient is not the scale raises naming both;
 and forward-only passes (no grad mode) leave every `main_grad` untouched.
 """
 
@@ -143,10 +144,11 @@ def _step(info, case, fused: bool, scale_error: bool = False):
     from fusedrl.slime_ext import lm_head, main_grad
     from fusedrl.slime_ext.logprobs import get_log_probs_and_entropy
 
-    overlap, tied, per_token, model_kind = case
+    overlap, tied, per_token, model_kind, recompute = case
     args = slime_args(
         entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, eps_clip_c=3.0,
         loss_aggregation="token_mean" if per_token else "sample_mean", calculate_per_token_loss=per_token,
+        recompute_loss_function=recompute,
     )  # fmt: skip
     built = (_gpt if model_kind == "gpt" else _tiny)(overlap, tied, per_token, fused, args)
     ddp, config, weight = built.ddp, built.config, built.weight
@@ -206,21 +208,33 @@ def _rank(info, case):
     return {fused: _step(info, case, fused) for fused in (False, True)}, _step(info, case, True, scale_error=True)
 
 
-CASES = [(overlap, tied, per_token, "tiny") for overlap in (False, True) for tied in (False, True) for per_token in (False, True)]
-CASES += [(True, True, False, "gpt"), (False, False, False, "gpt")]
+# overlap_grad_reduce, tied, per-token loss, model, --recompute-loss-function
+CASES = [(overlap, tied, per_token, "tiny", False) for overlap in (False, True) for tied in (False, True) for per_token in (False, True)]
+CASES += [(True, True, False, "gpt", False), (False, False, False, "gpt", False), (True, False, False, "tiny", True)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join([["no_overlap", "overlap"][c[0]], ["untied", "tied"][c[1]], ["sample_mean", "per_token"][c[2]], c[3]]))
+def _case_id(case):
+    overlap, tied, per_token, model_kind, recompute = case
+    names = ["overlap" if overlap else "no_overlap", "tied" if tied else "untied", "per_token" if per_token else "sample_mean"]
+    return "-".join(names + [model_kind] + (["recompute_loss_function"] if recompute else []))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_main_grad_equals_the_unfused_path(case):
+    recompute = case[4]
     for results, scale_error in get_pool(1, 1, dp=2).run(_rank, case):
         unfused, fused = results[False], results[True]
         for seen in (unfused, fused):
             assert seen["untouched by forward-only"]
             assert seen["grad after backward"] is None  # DDP's hook took every .grad
         assert not bool(unfused["after first forward"].any())
-        assert bool(fused["after first forward"].any())  # the one-pass forward added the weight gradient
+        # the one-pass forward added the weight gradient, except under --recompute-loss-function (per-call buffer)
+        assert bool(fused["after first forward"].any()) != recompute
         assert set(fused["main_grads"]) == set(unfused["main_grads"])
         for name, grad in fused["main_grads"].items():
             assert bool(grad.any()), name
             assert_parity(grad, unfused["main_grads"][name], 1e-5, name)
-        assert scale_error is not None and "grad_scale" in scale_error and "incoming gradient" in scale_error
+        if recompute:
+            assert scale_error is None  # no scale assumed: any incoming gradient scales the buffer
+        else:
+            assert scale_error is not None and "grad_scale" in scale_error and "incoming gradient" in scale_error
