@@ -63,29 +63,43 @@ def format_chunk_study(base, rows) -> str:
     return "\n".join(lines)
 
 
-def format_projection() -> str:
-    """The cost model at the issue's GPU shapes, default chunk, for both dtypes."""
+PATHS = (  # (name, cost-model key prefix)
+    ("unfused", "unfused"),
+    ("fused (recompute)", "fused"),
+    ("one pass", "one_pass"),
+    ("one pass + main_grad", "one_pass_main_grad"),
+)
+
+
+def projection_rows():
+    """(dtype, T, chunk, path, its cost figures, the unfused extra) at the issue's GPU shapes,
+    default chunk, all rows selected."""
     from fusedrl.kernels.linear_token_stats import (
         default_chunk_rows,  # imports triton: after pick_device
     )
 
-    lines = ["projection (cost model, not a measurement): H = 4096, V/tp = 151936, default chunk, all rows selected",
-             f"{'dtype':<6}{'T':>7}{'C':>6}{'unfused extra GiB':>19}{'fused extra GiB':>17}{'of which chunk':>16}"
-             f"{'fused/unfused':>15}{'fused/slime fp32':>18}{'GEMM TFLOP f/u':>16}{'GB moved f/u':>15}"]  # fmt: skip
+    vocab, hidden = PROJECTION["vocab"], PROJECTION["hidden"]
     for dtype in ("bf16", "fp32"):
         itemsize = DTYPES[dtype].itemsize
         for tokens in PROJECTION["tokens"]:
-            vocab, hidden = PROJECTION["vocab"], PROJECTION["hidden"]
             chunk = default_chunk_rows(tokens, vocab, itemsize)
             c = cost(tokens, hidden, vocab, itemsize, chunk)
-            slime_fp32 = 2 * tokens * vocab * 4  # slime's path holds the logits and their gradient in fp32
-            lines.append(
-                f"{dtype:<6}{tokens:>7}{chunk:>6}{c['unfused_extra'] / GIB:>19.2f}{c['fused_extra'] / GIB:>17.2f}"
-                f"{c['fused_chunk_extra'] / GIB:>16.2f}{100 * c['fused_extra'] / c['unfused_extra']:>14.1f}%"
-                f"{100 * c['fused_extra'] / slime_fp32:>17.1f}%"
-                f"{c['fused_flops'] / 1e12:>8.1f}/{c['unfused_flops'] / 1e12:<7.1f}"
-                f"{c['fused_bytes'] / 1e9:>8.1f}/{c['unfused_bytes'] / 1e9:<6.1f}"
-            )
+            for name, key in PATHS:
+                flops = c[f"{key}_flops"] if key != "one_pass_main_grad" else c["one_pass_flops"]
+                moved = c[f"{key}_bytes"] if key != "one_pass_main_grad" else c["one_pass_bytes"]
+                yield dtype, tokens, chunk, name, dict(extra=c[f"{key}_extra"], flops=flops, moved=moved), c
+
+
+def format_projection() -> str:
+    """The cost model at the issue's GPU shapes, default chunk, for both dtypes and every path."""
+    lines = ["projection (cost model, not a measurement): H = 4096, V/tp = 151936, default chunk C, all rows selected",
+             f"{'dtype':<6}{'T':>7}{'C':>6}  {'path':<22}{'extra GiB':>10}{'of unfused logits+grad':>24}"
+             f"{'GEMM TFLOP':>12}{'x 2TVH':>8}{'GB moved':>10}"]  # fmt: skip
+    for dtype, tokens, chunk, name, figures, c in projection_rows():
+        share = 100 * figures["extra"] / c["unfused_extra"]
+        gemms = figures["flops"] / (2 * tokens * PROJECTION["vocab"] * PROJECTION["hidden"])
+        lines.append(f"{dtype:<6}{tokens:>7}{chunk:>6}  {name:<22}{figures['extra'] / GIB:>10.2f}{share:>23.1f}%"
+                     f"{figures['flops'] / 1e12:>12.1f}{gemms:>8.0f}{figures['moved'] / 1e9:>10.1f}")  # fmt: skip
     return "\n".join(lines)
 
 
