@@ -1,10 +1,13 @@
 """The fused LM head's chunk size, measured, and its cost at GPU shapes, projected:
 `python -m bench.studies.lm_head_chunks`.
 
-On CPU (the Triton interpreter) the peak extra memory of the fused path is measured for several
-chunk sizes beside the unfused path's, each next to the cost model of
-`bench/workloads/linear_token_stats.py`; that model then projects both paths to T = 16384,
-V/tp = 151936, H = 4096 (a projection, not a measurement).
+On CPU (the Triton interpreter) the peak extra memory and the GEMM flops (in GEMMs of the logits'
+size) of the fused (recompute) path and of the one-pass path, with and without main_grad, are
+measured for several chunk sizes beside the unfused path's, each next to the cost model of
+`bench/workloads/linear_token_stats.py`; that model then projects every path to T = 16384,
+V/tp = 151936, H = 4096 (a projection, not a measurement). bf16 on CPU adds what a GPU does not:
+torch has no bf16 x bf16 -> fp32 in-place addmm there, so the weight-gradient GEMM takes an fp32
+copy of each chunk's gradient (4 C V bytes more than the model).
 """
 
 import argparse
@@ -23,6 +26,8 @@ from ..workloads.linear_token_stats import (
     LinearWorkload,
     cost,
     run_fused,
+    run_one_pass,
+    run_one_pass_main_grad,
     run_unfused,
 )
 
@@ -32,16 +37,20 @@ GIB = 1 << 30
 
 
 def chunk_study(dtype: str, study=CHUNK_STUDY):
-    """Measured peak extra memory (fwd+bwd) of the fused path per chunk size, and of the unfused path:
-    (the case, [(name, fwd+bwd figures, chunk rows or None)])."""
-    fused = Subject("fused", {"linear_token_stats": run_fused})
+    """Measured peak extra memory (fwd+bwd) per chunk size of the fused (recompute) path and of the
+    one-pass path with and without main_grad, and of the unfused path: (the case, [(name, fwd+bwd
+    figures, chunk rows or None, the path's cost-model key)])."""
+    paths = [(Subject("fused", {"linear_token_stats": run_fused}), "fused"),
+             (Subject("one pass", {"linear_token_stats": run_one_pass}), "one_pass"),
+             (Subject("one pass+mg", {"linear_token_stats": run_one_pass_main_grad}), "one_pass_main_grad")]  # fmt: skip
     unfused = Subject("unfused", {"linear_token_stats": run_unfused})
     base = LinearCase(study["tokens"], study["vocab"], dtype, 1, False, hidden=study["hidden"])
     workload = LinearWorkload.make(base, torch.device("cpu"))
-    rows = [("unfused", profile(unfused, workload, count_bytes=False)["fwd+bwd"], None)]
+    rows = [("unfused", profile(unfused, workload, count_bytes=False)["fwd+bwd"], None, "unfused")]
     for chunk in study["chunks"]:
         workload.case = replace(base, chunk_rows=chunk)
-        rows.append((f"fused C={chunk}", profile(fused, workload, count_bytes=False)["fwd+bwd"], chunk))
+        for subject, key in paths:
+            rows.append((f"{subject.name} C={chunk}", profile(subject, workload, count_bytes=False)["fwd+bwd"], chunk, key))
     return base, rows
 
 
@@ -50,16 +59,16 @@ def _mib(nbytes) -> str:
 
 
 def format_chunk_study(base, rows) -> str:
-    model = {chunk: cost(base.tokens, base.hidden, base.vocab, base.torch_dtype.itemsize, chunk)
-             for _, _, chunk in rows if chunk}  # fmt: skip
     unfused_extra = 2 * base.input_bytes
     lines = [f"{base.dtype}: T={base.tokens} H={base.hidden} V={base.vocab} J=1; unfused logits + gradient = "
              f"{_mib(unfused_extra)} MiB",
-             f"{'path':<14}{'extra MiB':>11}{'model MiB':>11}{'of unfused logits+grad':>24}{'err':>10}"]  # fmt: skip
-    for name, figures, chunk in rows:
-        predicted = _mib(model[chunk]["fused_extra"]) if chunk else _mib(unfused_extra)
+             f"{'path':<20}{'extra MiB':>11}{'model MiB':>11}{'of unfused logits+grad':>24}{'GEMMs':>7}{'err':>10}"]  # fmt: skip
+    one_gemm = 2 * base.tokens * base.vocab * base.hidden
+    for name, figures, chunk, key in rows:
+        model = cost(base.tokens, base.hidden, base.vocab, base.torch_dtype.itemsize, chunk or base.tokens)
         share = f"{100 * figures['peak_extra_bytes'] / unfused_extra:.1f}%"
-        lines.append(f"{name:<14}{_mib(figures['peak_extra_bytes']):>11}{predicted:>11}{share:>24}{figures['error']:>10.1e}")
+        lines.append(f"{name:<20}{_mib(figures['peak_extra_bytes']):>11}{_mib(model[f'{key}_extra']):>11}{share:>24}"
+                     f"{figures['gemm_flops'] / one_gemm:>7.0f}{figures['error']:>10.1e}")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -25,16 +25,18 @@ def test_measured_chunk_memory_follows_the_cost_model():
     its logits and their gradient."""
     study = dict(tokens=32, vocab=2000, hidden=16, chunks=(4, 8, 32))
     base, rows = chunk_study("fp32", study)
-    (_, unfused, _), *fused = rows
+    (_, unfused, _, _), *chunked = rows
     assert unfused["peak_extra_bytes"] >= 2 * base.input_bytes
-    extras = []
-    for _, figures, chunk in fused:
-        model = cost(base.tokens, base.hidden, base.vocab, 4, chunk)["fused_extra"]
+    extras = {}
+    for _, figures, chunk, key in chunked:
+        model = cost(base.tokens, base.hidden, base.vocab, 4, chunk)[f"{key}_extra"]
         assert model <= figures["peak_extra_bytes"] <= model + (16 << 10)
         assert figures["error"] < 1e-5
-        extras.append(figures["peak_extra_bytes"])
-    assert extras == sorted(extras)
-    assert "fused C=8" in format_chunk_study(base, rows)
+        extras.setdefault(key, []).append(figures["peak_extra_bytes"])
+    assert set(extras) == {"fused", "one_pass", "one_pass_main_grad"}
+    assert all(values == sorted(values) for values in extras.values())
+    table = format_chunk_study(base, rows)
+    assert "fused C=8" in table and "one pass+mg C=8" in table
 
 
 def test_cost_model_terms():
