@@ -28,8 +28,8 @@ agreed on, the smallest, by one small all-reduce).
 Eager only: `row_loss` is a Python callable, which cannot cross a torch custom op's schema, so this
 is a `torch.autograd.Function` that launches kernels, runs a collective per chunk and reads the
 incoming gradient on the host. torch.compile graph-breaks around it; use `linear_token_stats` in
-compiled code. Deterministic: chunks in a fixed order, no atomics, the loss summed on the host
-order in float64.
+compiled code. Deterministic: chunks in a fixed order, no atomics, the chunks' losses summed in
+float64 in that order.
 """
 
 import math
