@@ -28,6 +28,7 @@ from .device import pick_device
 from .harness.budget import available_bytes, oversized_message
 from .harness.measure import measure_case
 from .harness.progress import Progress
+from .studies.lm_head_chunks import format_projection
 from .subjects import SUBJECT_NAMES, make_subjects
 from .workloads import WORKLOADS
 from .workloads.linear_token_stats import head_cases
@@ -179,11 +180,16 @@ def main(argv=None):
     stamp = env["date"].replace(":", "")
     print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
     print(report.format_table(records, gpu))
+    subject_table = report.format_subject_table(records)
+    if subject_table:
+        print(subject_table)
     print(summary.legend(gpu))
     for line in summary.conclusions(records, gpu):
         print(line)
     for note in notes:
         print(f"note: {note}")
+    if "linear_token_stats" in args.op:
+        print(format_projection())
     csv_path = report.append_csv(records, env, args.results_dir / f"bench_{kind}.csv")
     png_path = report.plot(records, gpu, env, args.results_dir / f"bench_{kind}_{stamp}.png")
     print(f"CSV: {csv_path} ({len(records)} rows appended)")

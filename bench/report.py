@@ -20,7 +20,7 @@ CSV_FIELDS = (
     "date", "device", "torch", "triton", "commit", "op",
     "tokens", "vocab", "dtype", "ids_per_row", "entropy", "temperature", "channels", "segments",
     "phase", "subject", "error", "bytes_moved", "floor_bytes", "peak_extra_bytes", "input_bytes",
-    "time_ms", "gbps", "copy_gbps",
+    "time_ms", "gbps", "copy_gbps", "gemm_flops",
 )  # fmt: skip
 MIB = 1 << 20
 
@@ -135,6 +135,35 @@ def format_table(records, gpu: bool) -> str:
     return "\n".join(text)
 
 
+def format_subject_table(records) -> str:
+    """For the cases that run GEMMs (the LM head): one line per case and subject, forward + backward:
+    GEMM flops counted (and in units of 2 T V H, one GEMM of the logits' size), peak extra memory (and
+    as a share of the `eager` subject's, the unfused path), error, time. Empty when no case has GEMMs."""
+    shown = [r for r in records if r["phase"] == "fwd+bwd"]
+    with_gemms = {id(r["case"]) for r in shown if r.get("gemm_flops")}
+    eager = {id(r["case"]): r for r in shown if r["subject"] == "eager"}
+    lines = [["case", "subject", "GEMM GFLOP", "x 2TVH", "extra MiB", "of eager", "err", "ms"]]
+    for record in shown:
+        case = record["case"]
+        if id(case) not in with_gemms:
+            continue
+        one_gemm = 2 * case.tokens * case.vocab * case.hidden
+        base = eager.get(id(case))
+        lines.append([
+            case.label, record["subject"], f"{record['gemm_flops'] / 1e9:.4f}", f"{record['gemm_flops'] / one_gemm:.2f}",
+            f"{record['peak_extra_bytes'] / MIB:.2f}", "-" if base is None else _percent(record["peak_extra_bytes"],
+                                                                                      base["peak_extra_bytes"]),
+            f"{record['error']:.1e}", "-" if record["time_ms"] is None else f"{record['time_ms']:.3f}",
+        ])  # fmt: skip
+    if len(lines) == 1:
+        return ""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    text = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+            for line in lines]  # fmt: skip
+    text.insert(1, "-" * len(text[0]))
+    return "per subject, forward + backward:\n" + "\n".join(text)
+
+
 @dataclass(frozen=True)
 class Metric:
     """One column of the chart: what a record shows there and how to read it."""
@@ -174,7 +203,8 @@ GPU_METRICS = (
 PHASE_NAMES = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward + backward"}
 OP_TITLES = {"token_stats": "token statistics (token_stats)", "segment_sum": "aggregation\n(segment_sum)"}
 SUBJECT_STYLES = {"fused": ("#1f5fa8", "o"), "eager": ("#e07b1a", "s"), "compile": ("#3a9a3a", "^"),
-                  "liger": ("#8a4fb5", "D"), "megatron": ("#c0392b", "v")}
+                  "liger": ("#8a4fb5", "D"), "megatron": ("#c0392b", "v"), "one_pass": ("#17becf", "P"),
+                  "one_pass_main_grad": ("#7f7f7f", "X")}
 # Figure geometry in inches: the plotting area grows with the cases up to a bound, then rows get
 # denser (and their labels smaller, down to a floor) instead of the figure taller.
 ROW_INCHES, MAX_ROWS_INCHES, FRAME_INCHES = 0.3, 13.0, 2.2

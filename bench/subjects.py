@@ -3,7 +3,11 @@
 A subject runs on a workload: `run(x, workload)` with `x` the workload's differentiable input (a
 private copy) returns the outputs the workload knows how to check and differentiate. The peers
 (Liger-Kernel's cross entropy, megatron-core's vocab-parallel cross entropy) compute only the
-log-prob of the sampled token, so they cover J = 1 without entropy at temperature 1.
+log-prob of the sampled token, so they cover J = 1 without entropy at temperature 1. For the LM
+head (`linear_token_stats`), `fused` is the recompute path, `eager` the unfused one, and `one_pass`
+/ `one_pass_main_grad` the one-pass path (`linear_token_loss`), its weight gradient returned or
+added to the workload's fp32 main_grad. Liger's fused linear cross entropy is not among them: it
+takes only a scalar gradient of the summed cross entropy, not the workload's per-token one.
 """
 
 import warnings
@@ -14,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from .baselines import eager_token_logprobs
-from .workloads.linear_token_stats import run_fused, run_unfused
+from .workloads.linear_token_stats import run_fused, run_one_pass, run_one_pass_main_grad, run_unfused
 from .workloads.segment_sum import eager_sum_of_sample_mean
 
-SUBJECT_NAMES = ("fused", "eager", "compile", "liger", "megatron")
+SUBJECT_NAMES = ("fused", "eager", "compile", "liger", "megatron", "one_pass", "one_pass_main_grad")
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,14 @@ def _megatron(device):
     return Subject("megatron", {"token_stats": run}, _sampled_token_only)
 
 
+def _one_pass():
+    return Subject("one_pass", {"linear_token_stats": run_one_pass})
+
+
+def _one_pass_main_grad():
+    return Subject("one_pass_main_grad", {"linear_token_stats": run_one_pass_main_grad})
+
+
 def make_subjects(names, device):
     """The requested subjects that can run on `device`, and a note for each one that cannot."""
     builders = {
@@ -116,6 +128,8 @@ def make_subjects(names, device):
         "compile": _compiled,
         "liger": _liger,
         "megatron": lambda: _megatron(device),
+        "one_pass": _one_pass,
+        "one_pass_main_grad": _one_pass_main_grad,
     }
     gpu_only = {
         "compile": "measured on GPU only (its generated kernels are not observable on CPU)",

@@ -28,12 +28,15 @@ if _INSTALLED is not None:
             sys.modules[__name__ + _name[len("fusedrl.kernels") :]] = _module
 else:
     from ._contract import TokenStats
+    from .linear_token_loss import LinearTokenLoss, linear_token_loss
     from .linear_token_stats import linear_token_stats
     from .reference import segment_sum_reference, token_logprobs_reference, token_stats_reference
     from .segment_sum import segment_sum
     from .token_stats import token_logprobs, token_stats
 
 __all__ = [
+    "LinearTokenLoss",
+    "linear_token_loss",
     "linear_token_stats",
     "segment_sum",
     "segment_sum_reference",

@@ -72,6 +72,22 @@ def _free_bytes(device: torch.device):
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+def device_chunk_rows(hidden, weight, num_selected) -> int:
+    """`default_chunk_rows` for this layer on its device (its free memory read on a GPU)."""
+    return default_chunk_rows(num_selected, weight.shape[0], hidden.element_size(), _free_bytes(hidden.device))
+
+
+def check_head_inputs(hidden, weight, ids, temperature, tp_group, rows, chunk_rows, validate):
+    """(the tensor-parallel layout, the checked token-statistics inputs) of an LM-head call: the
+    layer's own checks, then token_stats' checks of ids, rows and temperature, with its messages."""
+    _check_layer(hidden, weight, chunk_rows)
+    tp = resolve_tp(tp_group)
+    inputs = check_token_stats_inputs(
+        _logits_stand_in(hidden, weight), ids, temperature, rows, tp.size, tp.rank, validate, KERNEL_DTYPES
+    )
+    return tp, inputs
+
+
 def _check_layer(hidden, weight, chunk_rows) -> None:
     """hidden [T, H] and weight [V_local, H] of one kernel dtype on one device; chunk_rows > 0."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
@@ -108,7 +124,7 @@ def _rows_of(grad: Optional[torch.Tensor], slots: slice) -> Optional[torch.Tenso
     return None if grad is None else grad[slots]
 
 
-def _add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b with fp32 sums whatever a and b hold (bf16/fp16 products rounded once, at the end)."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
@@ -133,14 +149,16 @@ def _adds_low_precision_products_in_fp32(device_type: str, dtype: torch.dtype) -
     return float(acc) == 2.0
 
 
-class _ChunkedLogits:
-    """The logits of the selected rows, `chunk_rows` at a time, in one buffer reused by every chunk."""
+class ChunkedLogits:
+    """The logits of the selected rows, `chunk_rows` at a time, in one buffer reused by every chunk;
+    and the linear layer's backward GEMMs of a chunk's logits gradient (`add_layer_grads`)."""
 
     def __init__(self, hidden, weight, rows, num_selected, chunk_rows):
         self.hidden, self.weight, self.rows, self.num_selected = hidden, weight, rows, num_selected
         self.chunk_rows = min(chunk_rows, max(num_selected, 1))
         self.logits = hidden.new_empty((self.chunk_rows, weight.shape[0]))
         self.gathered = None if rows is None else hidden.new_empty((self.chunk_rows, hidden.shape[1]))
+        self.row_grads = None  # the selected rows' hidden-state gradient of a chunk, made on first use
 
     def __iter__(self):
         """(slots, hidden rows, logits) per chunk; slots index the outputs. An empty selection
@@ -153,6 +171,19 @@ class _ChunkedLogits:
             else:
                 rows_in = torch.index_select(self.hidden, 0, self.rows[slots], out=self.gathered[:size])
             yield slots, rows_in, torch.mm(rows_in, self.weight.t(), out=self.logits[:size])
+
+    def add_layer_grads(self, slots, rows_in, grad_logits, grad_hidden, grad_weight) -> None:
+        """grad_hidden[the chunk's rows] = grad_logits @ weight (each row written once) and
+        grad_weight += grad_logits^T @ rows_in summed in fp32; a None gradient is not wanted."""
+        if grad_hidden is not None and self.rows is None:
+            torch.mm(grad_logits, self.weight, out=grad_hidden[slots])
+        elif grad_hidden is not None:
+            if self.row_grads is None:
+                self.row_grads = torch.empty_like(self.gathered)
+            size = slots.stop - slots.start
+            grad_hidden.index_copy_(0, self.rows[slots], torch.mm(grad_logits, self.weight, out=self.row_grads[:size]))
+        if grad_weight is not None:
+            add_product_fp32(grad_weight, grad_logits.t(), rows_in)
 
 
 @torch.library.custom_op("fusedrl::linear_token_stats", mutates_args=())
@@ -169,7 +200,7 @@ def linear_token_stats_op(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked forward as a torch op, opaque to torch.compile: (logp, entropy, scores,
     softmax_state), as `fusedrl::token_stats` (the group travels by name, the collective runs inside)."""
-    chunks = _ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
+    chunks = ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
     partials = torch.cat([
         row_partials(logits, ids[slots], None, vocab_start, temperature, with_entropy)
         for slots, _, logits in chunks
@@ -203,20 +234,14 @@ def linear_token_stats_backward_op(
     entropy term)."""
     grad_hidden = torch.zeros(hidden.shape if wants_hidden else (0,), dtype=hidden.dtype, device=hidden.device)
     grad_weight = torch.zeros(weight.shape if wants_weight else (0,), dtype=torch.float32, device=weight.device)
-    chunks = _ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
-    row_grads = None if rows is None or not wants_hidden else torch.empty_like(chunks.gathered)
+    chunks = ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
     for slots, rows_in, logits in chunks:
         grad_logits = logits_grad(
             logits, logits, ids[slots], None, softmax_state[slots], _rows_of(logp_grad, slots),
             _rows_of(entropy_grad, slots), _rows_of(scores_grad, slots), vocab_start, temperature,
         )  # fmt: skip
-        if wants_hidden and rows is None:
-            torch.mm(grad_logits, weight, out=grad_hidden[slots])
-        elif wants_hidden:
-            size = slots.stop - slots.start
-            grad_hidden.index_copy_(0, rows[slots], torch.mm(grad_logits, weight, out=row_grads[:size]))
-        if wants_weight:
-            _add_product_fp32(grad_weight, grad_logits.t(), rows_in)
+        chunks.add_layer_grads(slots, rows_in, grad_logits, grad_hidden if wants_hidden else None,
+                               grad_weight if wants_weight else None)  # fmt: skip
     return grad_hidden, grad_weight.to(weight.dtype)
 
 
@@ -282,11 +307,7 @@ def linear_token_stats(
     CPU tensors outside the Triton interpreter take the unfused path (`token_stats` of the full
     logits, itself the float64 reference there).
     """
-    _check_layer(hidden, weight, chunk_rows)
-    tp = resolve_tp(tp_group)
-    inputs = check_token_stats_inputs(
-        _logits_stand_in(hidden, weight), ids, temperature, rows, tp.size, tp.rank, validate, KERNEL_DTYPES
-    )
+    tp, inputs = check_head_inputs(hidden, weight, ids, temperature, tp_group, rows, chunk_rows, validate)
     if not uses_triton(hidden, "linear_token_stats"):
         return token_stats(
             hidden @ weight.t(),
@@ -297,9 +318,7 @@ def linear_token_stats(
             rows=rows,
             validate=False,
         )
-    num_selected = inputs.ids.shape[0]
     if chunk_rows is None:
-        free = _free_bytes(hidden.device)
-        chunk_rows = default_chunk_rows(num_selected, weight.shape[0], hidden.element_size(), free)
+        chunk_rows = device_chunk_rows(hidden, weight, inputs.ids.shape[0])
     outputs = linear_token_stats_op(hidden, weight, *op_arguments(inputs, with_entropy, tp), chunk_rows)
     return public_stats(outputs, with_entropy)

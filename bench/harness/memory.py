@@ -76,6 +76,10 @@ class TensorTally(TorchDispatchMode):
     def peak(self) -> int:
         return self._peak
 
+    def live_storages(self) -> set:
+        """data_ptr of every storage made since `__enter__` that is still alive."""
+        return {key for key, (ref, _) in self._storages.items() if not ref.expired()}
+
     def reset_peak(self) -> None:
         self._peak = self.live()
 

@@ -1,10 +1,13 @@
 """The fused LM head's chunk size, measured, and its cost at GPU shapes, projected:
 `python -m bench.studies.lm_head_chunks`.
 
-On CPU (the Triton interpreter) the peak extra memory of the fused path is measured for several
-chunk sizes beside the unfused path's, each next to the cost model of
-`bench/workloads/linear_token_stats.py`; that model then projects both paths to T = 16384,
-V/tp = 151936, H = 4096 (a projection, not a measurement).
+On CPU (the Triton interpreter) the peak extra memory and the GEMM flops (in GEMMs of the logits'
+size) of the fused (recompute) path and of the one-pass path, with and without main_grad, are
+measured for several chunk sizes beside the unfused path's, each next to the cost model of
+`bench/workloads/linear_token_stats.py`; that model then projects every path to T = 16384,
+V/tp = 151936, H = 4096 (a projection, not a measurement). bf16 on CPU adds what a GPU does not:
+torch has no bf16 x bf16 -> fp32 in-place addmm there, so the weight-gradient GEMM takes an fp32
+copy of each chunk's gradient (4 C V bytes more than the model).
 """
 
 import argparse
@@ -23,6 +26,8 @@ from ..workloads.linear_token_stats import (
     LinearWorkload,
     cost,
     run_fused,
+    run_one_pass,
+    run_one_pass_main_grad,
     run_unfused,
 )
 
@@ -32,16 +37,20 @@ GIB = 1 << 30
 
 
 def chunk_study(dtype: str, study=CHUNK_STUDY):
-    """Measured peak extra memory (fwd+bwd) of the fused path per chunk size, and of the unfused path:
-    (the case, [(name, fwd+bwd figures, chunk rows or None)])."""
-    fused = Subject("fused", {"linear_token_stats": run_fused})
+    """Measured peak extra memory (fwd+bwd) per chunk size of the fused (recompute) path and of the
+    one-pass path with and without main_grad, and of the unfused path: (the case, [(name, fwd+bwd
+    figures, chunk rows or None, the path's cost-model key)])."""
+    paths = [(Subject("fused", {"linear_token_stats": run_fused}), "fused"),
+             (Subject("one pass", {"linear_token_stats": run_one_pass}), "one_pass"),
+             (Subject("one pass+mg", {"linear_token_stats": run_one_pass_main_grad}), "one_pass_main_grad")]  # fmt: skip
     unfused = Subject("unfused", {"linear_token_stats": run_unfused})
     base = LinearCase(study["tokens"], study["vocab"], dtype, 1, False, hidden=study["hidden"])
     workload = LinearWorkload.make(base, torch.device("cpu"))
-    rows = [("unfused", profile(unfused, workload, count_bytes=False)["fwd+bwd"], None)]
+    rows = [("unfused", profile(unfused, workload, count_bytes=False)["fwd+bwd"], None, "unfused")]
     for chunk in study["chunks"]:
         workload.case = replace(base, chunk_rows=chunk)
-        rows.append((f"fused C={chunk}", profile(fused, workload, count_bytes=False)["fwd+bwd"], chunk))
+        for subject, key in paths:
+            rows.append((f"{subject.name} C={chunk}", profile(subject, workload, count_bytes=False)["fwd+bwd"], chunk, key))
     return base, rows
 
 
@@ -50,42 +59,56 @@ def _mib(nbytes) -> str:
 
 
 def format_chunk_study(base, rows) -> str:
-    model = {chunk: cost(base.tokens, base.hidden, base.vocab, base.torch_dtype.itemsize, chunk)
-             for _, _, chunk in rows if chunk}  # fmt: skip
     unfused_extra = 2 * base.input_bytes
     lines = [f"{base.dtype}: T={base.tokens} H={base.hidden} V={base.vocab} J=1; unfused logits + gradient = "
              f"{_mib(unfused_extra)} MiB",
-             f"{'path':<14}{'extra MiB':>11}{'model MiB':>11}{'of unfused logits+grad':>24}{'err':>10}"]  # fmt: skip
-    for name, figures, chunk in rows:
-        predicted = _mib(model[chunk]["fused_extra"]) if chunk else _mib(unfused_extra)
+             f"{'path':<20}{'extra MiB':>11}{'model MiB':>11}{'of unfused logits+grad':>24}{'GEMMs':>7}{'err':>10}"]  # fmt: skip
+    one_gemm = 2 * base.tokens * base.vocab * base.hidden
+    for name, figures, chunk, key in rows:
+        model = cost(base.tokens, base.hidden, base.vocab, base.torch_dtype.itemsize, chunk or base.tokens)
         share = f"{100 * figures['peak_extra_bytes'] / unfused_extra:.1f}%"
-        lines.append(f"{name:<14}{_mib(figures['peak_extra_bytes']):>11}{predicted:>11}{share:>24}{figures['error']:>10.1e}")
+        lines.append(f"{name:<20}{_mib(figures['peak_extra_bytes']):>11}{_mib(model[f'{key}_extra']):>11}{share:>24}"
+                     f"{figures['gemm_flops'] / one_gemm:>7.0f}{figures['error']:>10.1e}")  # fmt: skip
     return "\n".join(lines)
 
 
-def format_projection() -> str:
-    """The cost model at the issue's GPU shapes, default chunk, for both dtypes."""
+PATHS = (  # (name, cost-model key prefix)
+    ("unfused", "unfused"),
+    ("fused (recompute)", "fused"),
+    ("one pass", "one_pass"),
+    ("one pass + main_grad", "one_pass_main_grad"),
+)
+
+
+def projection_rows():
+    """(dtype, T, chunk, path, its cost figures, the unfused extra) at the issue's GPU shapes,
+    default chunk, all rows selected."""
     from fusedrl.kernels.linear_token_stats import (
         default_chunk_rows,  # imports triton: after pick_device
     )
 
-    lines = ["projection (cost model, not a measurement): H = 4096, V/tp = 151936, default chunk, all rows selected",
-             f"{'dtype':<6}{'T':>7}{'C':>6}{'unfused extra GiB':>19}{'fused extra GiB':>17}{'of which chunk':>16}"
-             f"{'fused/unfused':>15}{'fused/slime fp32':>18}{'GEMM TFLOP f/u':>16}{'GB moved f/u':>15}"]  # fmt: skip
+    vocab, hidden = PROJECTION["vocab"], PROJECTION["hidden"]
     for dtype in ("bf16", "fp32"):
         itemsize = DTYPES[dtype].itemsize
         for tokens in PROJECTION["tokens"]:
-            vocab, hidden = PROJECTION["vocab"], PROJECTION["hidden"]
             chunk = default_chunk_rows(tokens, vocab, itemsize)
             c = cost(tokens, hidden, vocab, itemsize, chunk)
-            slime_fp32 = 2 * tokens * vocab * 4  # slime's path holds the logits and their gradient in fp32
-            lines.append(
-                f"{dtype:<6}{tokens:>7}{chunk:>6}{c['unfused_extra'] / GIB:>19.2f}{c['fused_extra'] / GIB:>17.2f}"
-                f"{c['fused_chunk_extra'] / GIB:>16.2f}{100 * c['fused_extra'] / c['unfused_extra']:>14.1f}%"
-                f"{100 * c['fused_extra'] / slime_fp32:>17.1f}%"
-                f"{c['fused_flops'] / 1e12:>8.1f}/{c['unfused_flops'] / 1e12:<7.1f}"
-                f"{c['fused_bytes'] / 1e9:>8.1f}/{c['unfused_bytes'] / 1e9:<6.1f}"
-            )
+            for name, key in PATHS:
+                flops = c[f"{key}_flops"] if key != "one_pass_main_grad" else c["one_pass_flops"]
+                moved = c[f"{key}_bytes"] if key != "one_pass_main_grad" else c["one_pass_bytes"]
+                yield dtype, tokens, chunk, name, dict(extra=c[f"{key}_extra"], flops=flops, moved=moved), c
+
+
+def format_projection() -> str:
+    """The cost model at the issue's GPU shapes, default chunk, for both dtypes and every path."""
+    lines = ["projection (cost model, not a measurement): H = 4096, V/tp = 151936, default chunk C, all rows selected",
+             f"{'dtype':<6}{'T':>7}{'C':>6}  {'path':<22}{'extra GiB':>10}{'of unfused logits+grad':>24}"
+             f"{'GEMM TFLOP':>12}{'x 2TVH':>8}{'GB moved':>10}"]  # fmt: skip
+    for dtype, tokens, chunk, name, figures, c in projection_rows():
+        share = 100 * figures["extra"] / c["unfused_extra"]
+        gemms = figures["flops"] / (2 * tokens * PROJECTION["vocab"] * PROJECTION["hidden"])
+        lines.append(f"{dtype:<6}{tokens:>7}{chunk:>6}  {name:<22}{figures['extra'] / GIB:>10.2f}{share:>23.1f}%"
+                     f"{figures['flops'] / 1e12:>12.1f}{gemms:>8.0f}{figures['moved'] / 1e9:>10.1f}")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -6,18 +6,23 @@ the unfused logits). `python -m bench.studies.lm_head_chunks` measures the peak 
 paths as the chunk grows, next to the cost model below, and projects that model to T = 16384,
 V/tp = 151936, H = 4096 (a projection, not a measurement).
 
+The one-pass path (`linear_token_loss`, subjects `one_pass` and `one_pass_main_grad`) is given the
+workload's loss, a sum of per-row terms, and makes its gradient in the forward.
+
 Cost model, per fwd+bwd with all T rows selected, C rows per chunk, k = ceil(T / C) chunks, b
 bytes per element of the layer's dtype:
 - GEMM flops: unfused 6 T V H (forward, dhidden, dweight); fused 8 T V H (the forward GEMM again
-  in the backward, to recompute the logits).
+  in the backward, to recompute the logits); one pass 6 T V H.
 - Peak extra memory (beyond inputs and returned gradients): unfused T V b logits kept for the
-  backward plus their T V b gradient; fused one C V b chunk of logits, plus the fp32 [V, H]
-  weight-gradient accumulator when b < 4 (for fp32 weights it is the returned gradient).
+  backward plus their T V b gradient; fused and one pass one C V b chunk of logits, plus the fp32
+  [V, H] weight-gradient accumulator when b < 4 (for fp32 weights it is the returned gradient);
+  one pass into main_grad the chunk alone (main_grad is the trainer's own buffer).
 - Bytes each GEMM and kernel must move (operands read once, results written once): both paths
   write and read every logit in the forward and read, write and read them again in the backward;
   the fused path adds the recompute GEMM (the layer read, the logits written once more), re-reads
   the weight once per chunk in each of its three GEMMs, and reads and writes the fp32 accumulator
-  once per chunk where the unfused path writes the weight gradient once.
+  once per chunk where the unfused path writes the weight gradient once; the one-pass path moves
+  what the fused path does less the recompute GEMM.
 """
 
 import gc
@@ -78,7 +83,12 @@ class Layer(NamedTuple):
 @dataclass
 class LinearWorkload:
     """Hidden states, weight, ids and upstream gradients; the differentiable input is the pair
-    (hidden, weight), the outputs (logp, entropy)."""
+    (hidden, weight), the outputs (logp, entropy) or, from the one-pass subjects, (logp, entropy,
+    loss) with the loss's gradient made in the forward.
+
+    main_grad: the trainer's fp32 weight-gradient buffer (megatron-core keeps one per parameter for
+    the whole run), made with the workload so no measured phase counts it, zeroed by `leaf` (the
+    step's zero_grad); the main_grad subject accumulates into it instead of returning d weight."""
 
     case: LinearCase
     hidden: torch.Tensor
@@ -86,6 +96,7 @@ class LinearWorkload:
     ids: torch.Tensor
     logp_grad: torch.Tensor
     entropy_grad: Optional[torch.Tensor]
+    main_grad: torch.Tensor
 
     @classmethod
     def make(cls, case, device, seed=0):
@@ -99,22 +110,35 @@ class LinearWorkload:
         ids = torch.randint(0, case.vocab, (case.tokens, case.ids_per_row), device=device, generator=generator)
         entropy_grad = normal(case.tokens) if case.entropy else None
         dtype = case.torch_dtype
-        return cls(case, hidden.to(dtype), weight.to(dtype), ids, normal(*ids.shape), entropy_grad)
+        main_grad = torch.zeros(weight.shape, device=device)
+        return cls(case, hidden.to(dtype), weight.to(dtype), ids, normal(*ids.shape), entropy_grad, main_grad)
 
     @property
     def main_input(self) -> torch.Tensor:
         return self.hidden
 
     def leaf(self) -> Layer:
+        self.main_grad.zero_()
         return Layer(self.hidden.detach().clone().requires_grad_(), self.weight.detach().clone().requires_grad_())
 
-    def backward(self, layer, outputs, rows=slice(None)):
-        """(d hidden, d weight) of sum logp * logp_grad + sum entropy * entropy_grad over `rows`."""
-        logp, entropy = outputs
+    def loss(self, logp, entropy, rows=slice(None)):
+        """sum logp * logp_grad + sum entropy * entropy_grad over `rows`: a sum of per-row terms."""
         loss = (logp.double() * self.logp_grad[rows]).sum()
         if entropy is not None:
             loss = loss + (entropy.double() * self.entropy_grad[rows]).sum()
-        return torch.autograd.grad(loss, list(layer))
+        return loss
+
+    def row_loss(self, stats, slots):
+        """`loss` as the one-pass path takes it, chunk by chunk."""
+        return self.loss(stats.logp, stats.entropy, slots)
+
+    def backward(self, layer, outputs, rows=slice(None)):
+        """(d hidden, d weight) of `loss` over `rows`: of the outputs' own loss when they carry one
+        (d weight None when it went into main_grad)."""
+        logp, entropy, *made = outputs
+        if made:
+            return torch.autograd.grad(made[0], list(layer), allow_unused=True)
+        return torch.autograd.grad(self.loss(logp, entropy, rows), list(layer))
 
     def errors(self, outputs, grads):
         """(forward, backward) relative errors against float64, row chunk by row chunk: forward the
@@ -138,7 +162,7 @@ class LinearWorkload:
             truth_hidden, chunk_weight = self.backward(Layer(hidden, weight), truth, rows)
             error.add("dhidden", grads[0][rows], truth_hidden)
             truth_weight += chunk_weight
-        error.add("dweight", grads[1], truth_weight)
+        error.add("dweight", self.main_grad if grads[1] is None else grads[1], truth_weight)
         return error.worst("logp", "entropy"), error.worst("dhidden", "dweight")
 
 
@@ -154,6 +178,25 @@ def run_fused(layer, workload):
         # into the backward; a GPU frees it when the forward returns.
         gc.collect()
     return stats.logp, stats.entropy
+
+
+def run_one_pass(layer, workload, main_grad=None):
+    """The one-pass path: the workload's loss given to the forward, which makes its gradient."""
+    from fusedrl.kernels import linear_token_loss
+
+    case = workload.case
+    result = linear_token_loss(*layer, workload.ids, workload.row_loss, temperature=case.temperature,
+                               with_entropy=case.entropy, chunk_rows=case.chunk_rows, main_grad=main_grad,
+                               grad_scale=None if main_grad is None else 1.0)  # fmt: skip
+    if layer.device.type == "cpu":
+        gc.collect()  # as in run_fused
+    return result.stats.logp, result.stats.entropy, result.loss
+
+
+def run_one_pass_main_grad(layer, workload):
+    """The one-pass path with the weight gradient added to the workload's fp32 main_grad (the
+    benchmark's backward sends the loss a gradient of 1, so grad_scale = 1)."""
+    return run_one_pass(layer, workload, workload.main_grad)
 
 
 def run_unfused(layer, workload):
@@ -175,12 +218,17 @@ def cost(tokens, hidden, vocab, itemsize, chunk_rows) -> dict:
     # each of the 3 fused GEMMs, the accumulator read and written per chunk instead of dweight once
     fused_bytes = unfused_bytes + layer + logits + 3 * (chunks - 1) * weight + 2 * chunks * accumulator - weight
     chunk_extra = min(chunk_rows, tokens) * vocab * itemsize
+    fused_extra = chunk_extra + (accumulator if itemsize < 4 else 0)
     return dict(
         unfused_flops=6 * tokens * vocab * hidden,
         fused_flops=8 * tokens * vocab * hidden,
+        one_pass_flops=6 * tokens * vocab * hidden,
         unfused_bytes=unfused_bytes,
         fused_bytes=fused_bytes,
+        one_pass_bytes=fused_bytes - layer - logits,  # no recompute GEMM
         unfused_extra=2 * logits,
-        fused_extra=chunk_extra + (accumulator if itemsize < 4 else 0),
+        fused_extra=fused_extra,
+        one_pass_extra=fused_extra,  # the same chunk and, below fp32, the same fp32 buffer
+        one_pass_main_grad_extra=chunk_extra,  # main_grad is the trainer's, not the call's
         fused_chunk_extra=chunk_extra,
     )

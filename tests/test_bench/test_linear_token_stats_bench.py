@@ -5,11 +5,18 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from bench_package import ROOT, import_bench
 
 import_bench()
-from bench.studies.lm_head_chunks import chunk_study, format_chunk_study, format_projection
-from bench.workloads.linear_token_stats import cost  # noqa: E402
+from bench.harness.measure import profile  # noqa: E402
+from bench.report import format_subject_table  # noqa: E402
+from bench.studies.lm_head_chunks import chunk_study, format_chunk_study, format_projection  # noqa: E402
+from bench.subjects import make_subjects  # noqa: E402
+from bench.workloads.linear_token_stats import LinearCase, LinearWorkload, cost  # noqa: E402
+
+LM_HEAD_SUBJECTS = ("fused", "eager", "one_pass", "one_pass_main_grad")
 
 
 def test_measured_chunk_memory_follows_the_cost_model():
@@ -18,16 +25,18 @@ def test_measured_chunk_memory_follows_the_cost_model():
     its logits and their gradient."""
     study = dict(tokens=32, vocab=2000, hidden=16, chunks=(4, 8, 32))
     base, rows = chunk_study("fp32", study)
-    (_, unfused, _), *fused = rows
+    (_, unfused, _, _), *chunked = rows
     assert unfused["peak_extra_bytes"] >= 2 * base.input_bytes
-    extras = []
-    for _, figures, chunk in fused:
-        model = cost(base.tokens, base.hidden, base.vocab, 4, chunk)["fused_extra"]
+    extras = {}
+    for _, figures, chunk, key in chunked:
+        model = cost(base.tokens, base.hidden, base.vocab, 4, chunk)[f"{key}_extra"]
         assert model <= figures["peak_extra_bytes"] <= model + (16 << 10)
         assert figures["error"] < 1e-5
-        extras.append(figures["peak_extra_bytes"])
-    assert extras == sorted(extras)
-    assert "fused C=8" in format_chunk_study(base, rows)
+        extras.setdefault(key, []).append(figures["peak_extra_bytes"])
+    assert set(extras) == {"fused", "one_pass", "one_pass_main_grad"}
+    assert all(values == sorted(values) for values in extras.values())
+    table = format_chunk_study(base, rows)
+    assert "fused C=8" in table and "one pass+mg C=8" in table
 
 
 def test_cost_model_terms():
@@ -41,7 +50,42 @@ def test_cost_model_terms():
     layer, logits, weight = (tokens + vocab) * hidden * 4, tokens * vocab * 4, vocab * hidden * 4
     assert one_chunk["fused_bytes"] - one_chunk["unfused_bytes"] == layer + logits + 2 * weight - weight
     assert fp32["fused_bytes"] - one_chunk["fused_bytes"] == 3 * 3 * weight + 2 * 3 * weight
+    assert fp32["one_pass_flops"] == fp32["unfused_flops"]  # three GEMMs, as the unfused path
+    assert fp32["one_pass_extra"] == fp32["fused_extra"] and bf16["one_pass_extra"] == bf16["fused_extra"]
+    assert bf16["one_pass_main_grad_extra"] == 250 * vocab * 2  # the chunk alone: no fp32 buffer of its own
+    assert fp32["fused_bytes"] - fp32["one_pass_bytes"] == layer + logits  # no recompute GEMM
     assert "not a measurement" in format_projection()
+
+
+def test_one_pass_subjects_count_three_gemms_and_hold_one_chunk():
+    """Counted over a whole forward + backward (torch's FlopCounterMode): the one-pass subjects run
+    the unfused path's 6 T V H GEMM flops, all in the forward, the recompute path 8 T V H. Peak
+    extra memory, bf16: with main_grad one chunk of logits plus bookkeeping; without, that and the
+    fp32 [V, H] buffer, like the recompute path."""
+    tokens, vocab, hidden, chunk = 32, 2000, 16, 8
+    case = LinearCase(tokens, vocab, "bf16", 2, True, 0.7, hidden, chunk_rows=chunk)
+    workload = LinearWorkload.make(case, torch.device("cpu"))
+    subjects, _ = make_subjects(LM_HEAD_SUBJECTS, torch.device("cpu"))
+    figures = {subject.name: profile(subject, workload, count_bytes=False) for subject in subjects}
+    one_gemm = 2 * tokens * vocab * hidden
+    assert {name: f["fwd+bwd"]["gemm_flops"] // one_gemm for name, f in figures.items()} == {
+        "fused": 4, "eager": 3, "one_pass": 3, "one_pass_main_grad": 3
+    }
+    assert figures["one_pass"]["fwd"]["gemm_flops"] == 3 * one_gemm  # all of it in the forward
+    assert figures["one_pass"]["bwd"]["gemm_flops"] == 0
+    # the chunk of bf16 logits and, on CPU, the fp32 copy of its gradient the weight-gradient GEMM
+    # takes (torch has no bf16 x bf16 -> fp32 addmm there; a GPU adds in place)
+    chunk_bytes, bookkeeping = chunk * vocab * (2 + 4), 16 << 10
+    accumulator = vocab * hidden * 4
+    extra = {name: f["fwd+bwd"]["peak_extra_bytes"] for name, f in figures.items()}
+    assert chunk_bytes <= extra["one_pass_main_grad"] <= chunk_bytes + bookkeeping
+    assert chunk_bytes + accumulator <= extra["one_pass"] <= chunk_bytes + accumulator + bookkeeping
+    assert extra["one_pass_main_grad"] < extra["eager"] / 2  # a quarter of the rows, at 6 bytes a logit, of 4
+    for name, f in figures.items():
+        assert f["fwd+bwd"]["error"] <= figures["eager"]["fwd+bwd"]["error"] * 1.05 + 1e-6, name
+    records = [dict(case=case, phase="fwd+bwd", subject=name, time_ms=None, **f["fwd+bwd"]) for name, f in figures.items()]
+    table = format_subject_table(records)
+    assert "one_pass_main_grad" in table and "4.00" in table and "3.00" in table
 
 
 def test_cli_runs_the_lm_head_op(tmp_path):
@@ -54,5 +98,8 @@ def test_cli_runs_the_lm_head_op(tmp_path):
     with (tmp_path / "bench_cpu.csv").open() as results:
         rows = list(csv.DictReader(results))
     assert {row["op"] for row in rows} == {"linear_token_stats"}
-    assert {row["subject"] for row in rows} == {"fused", "eager"}
+    assert {row["subject"] for row in rows} == set(LM_HEAD_SUBJECTS)
+    assert {int(row["gemm_flops"]) for row in rows if row["phase"] == "fwd+bwd"} == {6 * 8 * 300 * 256, 8 * 8 * 300 * 256}
+    assert "per subject, forward + backward:" in done.stdout
+    assert "one pass + main_grad" in done.stdout  # the projection
     assert all(float(row["error"]) < 1e-5 for row in rows)

@@ -1,10 +1,12 @@
-"""Layers, gradients and the float64 truth shared by the fused-LM-head tests (tp = 1 and tp > 1)."""
+"""Layers, gradients and the float64 truth shared by the fused-LM-head tests (tp = 1 and tp > 1);
+for the one-pass path, a separable loss and its paths (one pass, recompute, unfused, truth)."""
 
 import torch
+import torch.distributed as dist
 from device import to_cpu, to_device
 from token_stats_cases import loss_of, upstream_grads
 
-from fusedrl.kernels import token_stats_reference
+from fusedrl.kernels import TokenStats, linear_token_loss, linear_token_stats, token_stats, token_stats_reference
 
 
 def random_layer(num_rows, width, vocab, dtype, generator, logit_scale=3.0):
@@ -34,3 +36,91 @@ def truth_head(hidden, weight, ids, **kwargs):
     """The float64 truth: the full logits in float64, then the eager reference."""
     kwargs.pop("chunk_rows", None)
     return token_stats_reference(hidden.double() @ weight.double().t(), ids, **kwargs)
+
+
+class SeparableLoss:
+    """A per-token RL loss of the kind the one-pass path serves, its per-row inputs fixed before the
+    forward and sliced by `slots`: PPO's clipped ratio on slot 0 (old log-probs near the truth, so
+    some ratios clip), a squared log-ratio on every slot, score and entropy terms, a loss mask.
+    Nonlinear in the statistics, so its coefficients come from autograd on the chunk's tensors."""
+
+    def __init__(self, truth_logp, generator, clip=0.2):
+        num_rows, num_ids = truth_logp.shape
+        self.old_logp = (truth_logp.detach().float() + 0.3 * torch.randn(num_rows, num_ids, generator=generator))
+        self.advantages = torch.randn(num_rows, generator=generator)
+        self.mask = (torch.rand(num_rows, generator=generator) > 0.2).float()
+        self.score_weights = torch.randn(num_rows, num_ids, generator=generator)
+        self.entropy_weights = torch.randn(num_rows, generator=generator)
+        self.clip = clip
+
+    def to(self, device):
+        moved = object.__new__(SeparableLoss)
+        moved.__dict__ = to_device(dict(self.__dict__), device)
+        return moved
+
+    def __call__(self, stats, slots):
+        logp, old, mask = stats.logp, self.old_logp[slots], self.mask[slots]
+        ratio = torch.exp(logp[:, 0] - old[:, 0])
+        advantages = self.advantages[slots]
+        clipped = ratio.clamp(1 - self.clip, 1 + self.clip)
+        policy = -torch.minimum(ratio * advantages, clipped * advantages)
+        loss = (policy * mask).sum() + 0.5 * ((logp - old) ** 2 * mask[:, None]).sum()
+        loss = loss + (stats.scores * self.score_weights[slots]).sum()
+        if stats.entropy is not None:
+            loss = loss + (stats.entropy * self.entropy_weights[slots]).sum()
+        return loss
+
+
+def one_pass_head(hidden, weight, ids, row_loss, **kwargs):
+    """(loss, stats) of the one-pass path."""
+    return tuple(linear_token_loss(hidden, weight, ids, row_loss, **kwargs))
+
+
+def recompute_head(hidden, weight, ids, row_loss, **kwargs):
+    """(loss, stats) of the recompute path: linear_token_stats, then the loss over all rows."""
+    stats = linear_token_stats(hidden, weight, ids, **kwargs)
+    return row_loss(stats, slice(0, ids.shape[0])), stats
+
+
+def unfused_loss_head(hidden, weight, ids, row_loss, **kwargs):
+    """(loss, stats) of the unfused path: the logits in the layer's dtype, then token_stats."""
+    kwargs.pop("chunk_rows", None)
+    stats = token_stats(hidden @ weight.t(), ids, **kwargs)
+    return row_loss(stats, slice(0, ids.shape[0])), stats
+
+
+def truth_loss_head(hidden, weight, ids, row_loss, **kwargs):
+    """(loss, stats) of the float64 truth: the full logits in float64, the eager reference, the loss."""
+    stats = truth_head(hidden, weight, ids, **kwargs)
+    return row_loss(stats, slice(0, ids.shape[0])), stats
+
+
+def loss_with_grad(fn, hidden, weight, ids, row_loss, device=None, **kwargs):
+    """(loss, stats, (d hidden, d weight)) of fn, a path above, as `head_with_grad` does for the
+    statistics: fn runs on `device` (None: on the tensors as given); results come back on CPU."""
+    if device is not None:
+        hidden, weight, ids, kwargs = to_device((hidden, weight, ids, kwargs), device)
+        row_loss = row_loss.to(device)
+    hidden = hidden.detach().requires_grad_(True)
+    weight = weight.detach().requires_grad_(True)
+    loss, stats = fn(hidden, weight, ids, row_loss, **kwargs)
+    grad_hidden, grad_weight = torch.autograd.grad(loss, [hidden, weight])
+    stats = TokenStats(*(None if t is None else t.detach() for t in stats))
+    return loss.detach().cpu(), to_cpu(stats), (grad_hidden.cpu(), grad_weight.cpu())
+
+
+def rank_layer(rank, world_size, hidden, weight, through_megatron):
+    """On a tensor-parallel rank: (hidden as a leaf, the layer's input, this rank's weight shard as a
+    leaf, the group to pass). Through megatron: megatron-core's parallel state over the world, the
+    input through `copy_to_tensor_model_parallel_region` (what ColumnParallelLinear does: identity
+    forward, all-reduce of d hidden backward) and group None (the op finds megatron's)."""
+    width = weight.shape[0] // world_size
+    shard = weight[rank * width : (rank + 1) * width].clone().requires_grad_(True)
+    leaf = hidden.clone().requires_grad_(True)
+    if not through_megatron:
+        return leaf, leaf, shard, dist.group.WORLD
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    return leaf, copy_to_tensor_model_parallel_region(leaf), shard, None

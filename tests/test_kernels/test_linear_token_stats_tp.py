@@ -11,10 +11,9 @@ says (gloo has no CUDA collectives); the float64 truth is computed on CPU.
 
 import pytest
 import torch
-import torch.distributed as dist
 from distributed import run_on_ranks
 from numerics import rel_err
-from lm_head_cases import head_with_grad, random_layer, truth_head
+from lm_head_cases import head_with_grad, random_layer, rank_layer, truth_head
 from token_stats_cases import CollectiveCounter, loss_of, make_ids
 
 from fusedrl.kernels import linear_token_stats
@@ -22,16 +21,7 @@ from fusedrl.kernels import linear_token_stats
 
 def shard_worker(rank, world_size, hidden, weight, ids, grads, kwargs, through_megatron):
     """This rank's outputs, gradients and collective counts for its vocabulary shard."""
-    width = weight.shape[0] // world_size
-    shard = weight[rank * width : (rank + 1) * width].clone().requires_grad_(True)
-    leaf = hidden.clone().requires_grad_(True)
-    layer_input, group = leaf, dist.group.WORLD
-    if through_megatron:
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
-        layer_input, group = copy_to_tensor_model_parallel_region(leaf), None  # megatron's group, found
+    leaf, layer_input, shard, group = rank_layer(rank, world_size, hidden, weight, through_megatron)
     with CollectiveCounter() as forward:
         stats = linear_token_stats(layer_input, shard, ids, tp_group=group, **kwargs)
     with CollectiveCounter() as backward:

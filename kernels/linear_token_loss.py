@@ -1,0 +1,299 @@
+"""A per-token loss straight from hidden states in one pass: the LM head's gradient made in its forward.
+
+Why one pass. `linear_token_stats` never holds the `[T, V_local]` logits, but its backward pays a
+fourth GEMM to recompute each chunk's logits. When the loss is a sum over rows of per-row terms
+whose other inputs (advantages, old log-probs, masks, denominators) are known before the forward,
+each chunk's gradient can be made while its logits are still in the buffer: GEMM -> token-statistics
+partials -> (tensor parallelism: that chunk's all-gather of partials) -> the chunk's log-probs,
+entropy and scores -> the caller's `row_loss` on those `[C, J]`-sized tensors and autograd through
+them alone, giving d loss / d logp, d entropy, d scores -> the token-statistics backward kernel
+turns the chunk's logits into their gradient in place -> d hidden of the chunk's rows and the
+weight gradient, summed over chunks in fp32. Three GEMMs, as the unfused LM head; the backward
+only scales the saved gradients by the incoming scalar.
+
+The weight gradient goes either into a per-call fp32 `[V_local, H]` buffer, scaled in the backward,
+or, with `main_grad` (megatron-core's fp32 `param.main_grad`) and `grad_scale` (the gradient the
+caller's schedule will send into the loss: 1 / num_microbatches, times the loss scale if any),
+straight into `main_grad`, already scaled, with no buffer. That bets on the incoming gradient, so
+the backward checks it equals `grad_scale` and raises a ValueError naming both otherwise: never a
+silently wrong gradient. The hidden-state gradient takes the same scale in the forward (the token-
+statistics coefficients are multiplied by it, so each gradient element is rounded once).
+
+Tensor parallelism as `linear_token_stats`: `weight` is this rank's vocabulary shard, the returned
+hidden-state gradient this rank's partial sum (reduce it with megatron's region functions), the
+loss and statistics the same on every rank. Each chunk holds one collective, so every rank must
+take the same chunks: same rows and `chunk_rows` (a default chunk derived from free GPU memory is
+agreed on, the smallest, by one small all-reduce).
+
+Eager only: `row_loss` is a Python callable, which cannot cross a torch custom op's schema, so this
+is a `torch.autograd.Function` that launches kernels, runs a collective per chunk and reads the
+incoming gradient on the host. torch.compile graph-breaks around it; use `linear_token_stats` in
+compiled code. Deterministic: chunks in a fixed order, no atomics, the chunks' losses summed in
+float64 in that order.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from ._contract import TokenStats
+from ._dispatch import uses_triton
+from ._tp import TensorParallel
+from .linear_token_stats import ChunkedLogits, check_head_inputs, device_chunk_rows
+from .reference import token_stats_reference
+from .token_stats import all_rank_partials, combine_partials, logits_grad, row_partials
+
+# How far the incoming gradient may sit from grad_scale: a few fp32 roundings of the schedule's
+# product (1 / num_microbatches times a loss scale), far below any real mismatch.
+SCALE_TOLERANCE = 2.0**-20
+
+
+class LinearTokenLoss(NamedTuple):
+    """loss: 0-d float32, differentiable with respect to hidden and weight.
+    stats: the same forward's TokenStats (logp [N, J], entropy [N] or None, scores [N, J]),
+    float32, detached: for the metrics a loss reports."""
+
+    loss: torch.Tensor
+    stats: TokenStats
+
+
+RowLoss = Callable[[TokenStats, slice], torch.Tensor]
+
+
+@dataclass
+class _Gradients:
+    """What the forward made for the backward; None where a gradient is not wanted (or lives in
+    main_grad)."""
+
+    hidden: Optional[torch.Tensor]
+    weight: Optional[torch.Tensor]
+
+
+@dataclass
+class _Head:
+    """One call's checked arguments and the chunk loop over them."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    ids: torch.Tensor
+    rows: Optional[torch.Tensor]
+    row_loss: RowLoss
+    temperature: float
+    with_entropy: bool
+    tp: TensorParallel
+    vocab_start: int
+    chunk_rows: int
+    main_grad: Optional[torch.Tensor]
+    grad_scale: Optional[float]
+    kernels: bool  # the Triton kernels (GPU or interpreter); False: the float64 eager reference per chunk
+
+    def run(self, wants_hidden: bool, wants_weight: bool):
+        """(loss, stats, gradients): every chunk's statistics and loss terms, and, for what is
+        wanted, d hidden (scaled by grad_scale when given) and d weight (into main_grad, or into a
+        fresh fp32 buffer)."""
+        num_selected, num_ids = self.ids.shape
+        per_id = dict(dtype=torch.float32, device=self.hidden.device)
+        logp, scores = torch.empty((num_selected, num_ids), **per_id), torch.empty((num_selected, num_ids), **per_id)
+        entropy = torch.empty((num_selected,), **per_id) if self.with_entropy else None
+        grads = _Gradients(
+            torch.zeros(self.hidden.shape, dtype=self.hidden.dtype, device=self.hidden.device) if wants_hidden else None,
+            None if not wants_weight else self.main_grad if self.main_grad is not None
+            else torch.zeros(self.weight.shape, **per_id),
+        )  # fmt: skip
+        chunks = ChunkedLogits(self.hidden, self.weight, self.rows, num_selected, self.chunk_rows)
+        step = self._kernel_step if self.kernels else self._eager_step
+        total = torch.zeros((), dtype=torch.float64, device=self.hidden.device)
+        for slots, rows_in, logits in chunks:
+            stats, loss, grad_logits = step(logits, slots, wants_hidden or wants_weight)
+            logp[slots], scores[slots] = stats.logp, stats.scores
+            if entropy is not None:
+                entropy[slots] = stats.entropy
+            total += loss.double()
+            if grad_logits is not None:
+                chunks.add_layer_grads(slots, rows_in, grad_logits, grads.hidden, grads.weight)
+        return total.float(), TokenStats(logp, entropy, scores), grads
+
+    def _kernel_step(self, logits, slots, wants_grad):
+        """A chunk through the token-statistics kernels: partials, the chunk's collective, the
+        combine; the loss on fresh leaves; its coefficients into the logits gradient, in place."""
+        ids = self.ids[slots]
+        partials = row_partials(logits, ids, None, self.vocab_start, self.temperature, self.with_entropy)
+        row = combine_partials(all_rank_partials(partials, self.tp), self.temperature)
+        leaves = TokenStats(row.logp, row.entropy if self.with_entropy else None, row.scores)
+        if wants_grad:
+            leaves = TokenStats(*(None if t is None else t.requires_grad_() for t in leaves))
+        inputs = [leaves.logp, leaves.scores] + ([leaves.entropy] if self.with_entropy else [])
+        loss, coefficients = self._loss_and_grads(leaves, slots, inputs, wants_grad)
+        stats = TokenStats(*(None if t is None else t.detach() for t in leaves))
+        if coefficients is None:
+            return stats, loss, None
+        logp_grad, scores_grad, *entropy_grad = coefficients  # None: not used, zero (entropy: no term)
+        grad_logits = logits_grad(logits, logits, ids, None, row.softmax_state, logp_grad, next(iter(entropy_grad), None),
+                                  scores_grad, self.vocab_start, self.temperature)  # fmt: skip
+        return stats, loss, grad_logits
+
+    def _eager_step(self, logits, slots, wants_grad):
+        """A chunk through the float64 reference (CPU outside the interpreter): autograd from the
+        loss to the chunk's logits."""
+        leaf = logits.detach().requires_grad_(wants_grad)
+        with torch.enable_grad():
+            stats = token_stats_reference(leaf, self.ids[slots], temperature=self.temperature,
+                                          with_entropy=self.with_entropy, tp_group=self.tp.group, validate=False)  # fmt: skip
+        loss, grad_logits = self._loss_and_grads(stats, slots, [leaf], wants_grad)
+        stats = TokenStats(*(None if t is None else t.detach() for t in stats))
+        return stats, loss, None if grad_logits is None else grad_logits[0]
+
+    def _loss_and_grads(self, stats, slots, inputs, wants_grad):
+        """(the chunk's loss, detached; its gradients with respect to `inputs` times grad_scale, None
+        for an input it does not use; or None for all when no gradient is wanted or none is used)."""
+        with torch.enable_grad() if wants_grad else torch.no_grad():
+            loss = self.row_loss(stats, slots)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
+            raise ValueError(f"row_loss must return a 0-d floating-point tensor, got {_describe(loss)}")
+        if not (wants_grad and loss.requires_grad):
+            return loss.detach(), None
+        scale = torch.full((), 1.0 if self.grad_scale is None else self.grad_scale, dtype=loss.dtype, device=loss.device)
+        grads = torch.autograd.grad(loss, inputs, grad_outputs=scale, allow_unused=True)
+        return loss.detach(), None if all(g is None for g in grads) else grads
+
+
+class _OnePassLoss(torch.autograd.Function):
+    """The loss of `_Head.run` whose gradients were made in the forward; the backward only scales."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, head, stats_out):
+        wants_hidden, wants_weight = ctx.needs_input_grad[:2]
+        loss, stats, grads = head.run(wants_hidden, wants_weight)
+        stats_out.append(stats)
+        ctx.grads, ctx.grad_scale = grads, head.grad_scale
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError(
+                "linear_token_loss made its gradient in the forward and hands it out once: "
+                "its backward cannot run a second time (retain_graph)"
+            )
+        ctx.grads = None  # frees the buffers; a second backward would add the gradient twice
+        if ctx.grad_scale is not None:
+            _check_incoming_gradient(float(grad_out), ctx.grad_scale)
+            weight = None  # already in main_grad, scaled
+            return grads.hidden, weight, None, None
+        unit = bool(grad_out == 1)
+        hidden = grads.hidden if grads.hidden is None or unit else grads.hidden * grad_out
+        weight = grads.weight
+        if weight is not None:
+            weight = (weight if unit else weight * grad_out).to(ctx.weight_dtype)
+        return hidden, weight, None, None
+
+
+def _check_incoming_gradient(incoming: float, grad_scale: float) -> None:
+    """The gradient already applied in the forward must be the one the backward receives."""
+    if not abs(incoming - grad_scale) <= SCALE_TOLERANCE * abs(grad_scale):
+        raise ValueError(
+            f"linear_token_loss was given grad_scale = {grad_scale!r}, and added grad_scale * d weight to "
+            f"main_grad in the forward, but the loss's incoming gradient is {incoming!r}: pass the "
+            "scale the schedule applies to this loss (1 / num_microbatches, times the loss scale)"
+        )
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _check_main_grad(main_grad, grad_scale, weight) -> Optional[float]:
+    """main_grad: an fp32 tensor of weight's shape and device; grad_scale: a finite number; both or
+    neither. Returns grad_scale as a float (None without main_grad)."""
+    if (main_grad is None) != (grad_scale is None):
+        given, missing = ("main_grad", "grad_scale") if grad_scale is None else ("grad_scale", "main_grad")
+        raise ValueError(
+            f"{given} needs {missing}: the weight gradient goes into main_grad already scaled by grad_scale, "
+            f"got {missing}=None"
+        )
+    if main_grad is None:
+        return None
+    if not isinstance(main_grad, torch.Tensor):
+        raise ValueError(f"main_grad must be a torch.Tensor, got {type(main_grad).__name__}")
+    if main_grad.dtype != torch.float32:
+        raise ValueError(f"main_grad must be float32 (megatron-core's main_grad), got {main_grad.dtype}")
+    if main_grad.shape != weight.shape:
+        raise ValueError(f"main_grad must have weight's shape {tuple(weight.shape)}, got {tuple(main_grad.shape)}")
+    if main_grad.device != weight.device:
+        raise ValueError(f"main_grad is on {main_grad.device} but weight on {weight.device}")
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale):
+        raise ValueError(f"grad_scale must be a finite number, got {grad_scale!r}")
+    return float(grad_scale)
+
+
+def _agreed_chunk_rows(chunk_rows: int, tp: TensorParallel, device) -> int:
+    """The smallest of the ranks' default chunks: each chunk holds a collective, so every rank must
+    take as many chunks, and free memory differs between GPUs."""
+    value = torch.tensor([chunk_rows], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(value)
+
+
+def linear_token_loss(
+    hidden,
+    weight,
+    ids,
+    row_loss: RowLoss,
+    *,
+    temperature=1.0,
+    with_entropy=False,
+    tp_group=None,
+    rows=None,
+    chunk_rows=None,
+    main_grad=None,
+    grad_scale=None,
+    validate=True,
+) -> LinearTokenLoss:
+    """`row_loss` of `token_stats(hidden @ weight.T, ids, ...)`, its gradient made chunk by chunk in the
+    forward: three GEMMs, one chunk of logits alive at a time (see the module docstring).
+
+    hidden, weight, ids, temperature, with_entropy, tp_group, rows, chunk_rows, validate: as
+        `linear_token_stats`.
+    row_loss(stats, slots) -> 0-d tensor: the loss terms of the selected rows `slots` (a slice of
+        [0, N)), from `stats`, that chunk's TokenStats (logp [C, J], entropy [C] or None, scores
+        [C, J], float32 leaves requiring grad). The loss must be a sum over rows of per-row terms
+        (slice the per-row inputs such as advantages with `slots`); the returned loss is the sum of
+        the chunk values. The statistics are its only differentiable inputs: other tensors it reads
+        are constants. An empty selection calls it once with an empty chunk.
+    main_grad, grad_scale: both or neither. main_grad: an fp32 tensor of weight's shape and device
+        (megatron-core's `param.main_grad`); the forward adds grad_scale * d loss / d weight to it,
+        and the backward returns no weight gradient and raises a ValueError unless the incoming
+        gradient equals grad_scale (to fp32 rounding). Without them the weight gradient is held in
+        an fp32 [V_local, H] buffer from the forward to the backward.
+
+    Returns `LinearTokenLoss(loss, stats)`: the 0-d float32 loss, differentiable with respect to
+    hidden and weight, and the same forward's statistics, detached. Without grad mode, or when
+    neither hidden nor weight requires grad, only the loss and statistics are computed (main_grad
+    untouched). CPU tensors outside the Triton interpreter take the float64 reference per chunk.
+    Its backward runs once (no retain_graph).
+    """
+    tp, inputs = check_head_inputs(hidden, weight, ids, temperature, tp_group, rows, chunk_rows, validate)
+    if not callable(row_loss):
+        raise ValueError(f"row_loss must be a callable (stats, slots) -> 0-d tensor, got {type(row_loss).__name__}")
+    grad_scale = _check_main_grad(main_grad, grad_scale, weight)
+    kernels = uses_triton(hidden, "linear_token_loss")
+    if chunk_rows is None:
+        chunk_rows = device_chunk_rows(hidden, weight, inputs.ids.shape[0])
+        if tp.group is not None and hidden.is_cuda:
+            chunk_rows = _agreed_chunk_rows(chunk_rows, tp, hidden.device)
+    rows = None if inputs.rows is None else inputs.rows.contiguous()
+    head = _Head(hidden, weight, inputs.ids.contiguous(), rows, row_loss, inputs.temperature, bool(with_entropy), tp,
+                 inputs.vocab_start, chunk_rows, main_grad, grad_scale, kernels)  # fmt: skip
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        loss, stats, _ = head.run(wants_hidden=False, wants_weight=False)
+        return LinearTokenLoss(loss, stats)
+    stats_out = []
+    loss = _OnePassLoss.apply(hidden, weight, head, stats_out)
+    return LinearTokenLoss(loss, stats_out[0])
