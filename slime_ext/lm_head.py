@@ -20,6 +20,7 @@ output layer's forward, which the model calls with the weight it multiplies by (
 embedding weight when tied), records it here for the loss that reads that output next.
 """
 
+import logging
 import types
 from typing import List, Optional
 
@@ -31,17 +32,29 @@ from .flags.lm_head import FLAG
 
 
 class _HandOffs:
-    """The layers handed off in this process and the weight of the most recent hand-off call.
+    """The layers handed off in this process and the weight and config of the most recent
+    hand-off call.
 
     slime's forward step runs the model and then its loss on the result, so the weight recorded by
-    the call that produced a model output is the one the loss reads."""
+    the call that produced a model output is the one the loss reads. The config is the model's
+    (megatron-core layers share it), where slime sets `grad_scale_func` (`main_grad`)."""
 
     def __init__(self):
         self.layers: List[torch.nn.Module] = []
         self.weight: Optional[torch.Tensor] = None
+        self.config = None
 
 
 _STATE = _HandOffs()
+_logger = logging.getLogger(__name__)
+_LOGGED = set()
+
+
+def log_path_once(reader: str, path: str) -> None:
+    """Log, once per process and `reader`, which LM-head path computes what it reads."""
+    if (reader, path) not in _LOGGED:
+        _LOGGED.add((reader, path))
+        _logger.info("fusedrl %s: fused LM head, %s", reader, path)
 
 
 def _handed_off_forward(layer, input_, weight=None, runtime_gather_output=None):
@@ -55,7 +68,7 @@ def _handed_off_forward(layer, input_, weight=None, runtime_gather_output=None):
             f"{FLAG}: the output layer was given a weight of shape {tuple(weight.shape)}, expected "
             f"{(layer.output_size_per_partition, layer.input_size)}"
         )
-    _STATE.weight = weight
+    _STATE.weight, _STATE.config = weight, layer.config
     return megatron.column_parallel_input(layer, input_), None
 
 
@@ -88,12 +101,17 @@ def restore() -> None:
     """Give every handed-off layer its own forward back."""
     while _STATE.layers:
         del _STATE.layers.pop().forward
-    _STATE.weight = None
+    _STATE.weight = _STATE.config = None
 
 
 def output_weight() -> Optional[torch.Tensor]:
     """The output weight `[V/tp, H]` of the most recent hand-off (None: the model returns logits)."""
     return _STATE.weight
+
+
+def output_config():
+    """The megatron-core config of the layer of the most recent hand-off (None: no hand-off)."""
+    return _STATE.config
 
 
 def hidden_rows(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

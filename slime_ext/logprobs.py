@@ -16,7 +16,7 @@ renormaliser is computed from the kernel's gathered tempered logits (`scores`), 
 a pure one-hot scatter, so no masked softmax over the vocabulary is ever formed.
 """
 
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,10 @@ class ReplaySupport(NamedTuple):
     ids: torch.Tensor
     valid: torch.Tensor
     recorded: torch.Tensor
+
+    def at(self, slots) -> "ReplaySupport":
+        """The supports of rows `slots`."""
+        return ReplaySupport(self.ids[slots], self.valid[slots], self.recorded[slots])
 
 
 def _as_long_tensor(values) -> torch.Tensor:
@@ -157,26 +161,33 @@ def logprobs_and_entropy(stats, *, with_entropy_grad: bool, support: Optional[Re
     return logp, entropy
 
 
-def response_log_probs(
-    logits: torch.Tensor,
-    *,
-    args,
-    unconcat_tokens: Sequence[torch.Tensor],
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    with_entropy: bool,
-    with_entropy_grad: bool,
-    top_p_token_ids=None,
-    top_p_token_offsets=None,
-):
-    """Per-sample response log-probs (and entropies) in slime's CP layout: lists of 1-D tensors,
-    zigzag-sliced under context parallelism (allgather-CP results are redistributed to zigzag).
-    """
+def locate_responses(
+    logits, args, unconcat_tokens, total_lengths, response_lengths, top_p_token_ids=None, top_p_token_offsets=None
+) -> Tuple[ResponseTokens, torch.Tensor, Optional[ReplaySupport]]:
+    """The micro-batch's response rows, the sampled token each predicts and, with slime's replay
+    data, their top-p supports."""
     tokens = ResponseTokens.locate(logits, total_lengths, response_lengths, args)
     targets = tokens.targets(unconcat_tokens)
     support = None
     if top_p_token_ids is not None and top_p_token_offsets is not None:
         support = replay_support(targets, tokens.samples, top_p_token_ids, top_p_token_offsets)
+    return tokens, targets, support
+
+
+def response_log_probs(
+    logits: torch.Tensor,
+    *,
+    args,
+    with_entropy: bool,
+    with_entropy_grad: bool,
+    tokens: ResponseTokens,
+    targets: torch.Tensor,
+    support: Optional[ReplaySupport] = None,
+):
+    """Per-sample response log-probs (and entropies) of the located `tokens` (sampled `targets`,
+    replay `support` if any) in slime's CP layout: lists of 1-D tensors, zigzag-sliced under
+    context parallelism (allgather-CP results are redistributed to zigzag).
+    """
     ids = targets.unsqueeze(1) if support is None else support.ids
     stats = tokens.token_stats(
         logits, ids, temperature=float(getattr(args, "rollout_temperature", 1.0)), with_entropy=with_entropy
@@ -204,17 +215,14 @@ def get_log_probs_and_entropy(
     """
     if not non_loss_data:
         raise ValueError("non_loss_data must be True (slime's log-prob path only runs as non-loss data)")
-    log_probs, entropies = response_log_probs(
-        logits,
-        args=args,
-        unconcat_tokens=unconcat_tokens,
-        total_lengths=total_lengths,
-        response_lengths=response_lengths,
-        with_entropy=with_entropy,
-        with_entropy_grad=with_entropy and getattr(args, "entropy_coef", 0.0) != 0,
-        top_p_token_ids=top_p_token_ids,
-        top_p_token_offsets=top_p_token_offsets,
+    tokens, targets, support = locate_responses(
+        logits, args, unconcat_tokens, total_lengths, response_lengths, top_p_token_ids, top_p_token_offsets
     )
+    log_probs, entropies = response_log_probs(
+        logits, args=args, with_entropy=with_entropy,
+        with_entropy_grad=with_entropy and getattr(args, "entropy_coef", 0.0) != 0,
+        tokens=tokens, targets=targets, support=support,
+    )  # fmt: skip
     result = {"log_probs": log_probs}
     if with_entropy:
         result["entropy"] = entropies

@@ -32,6 +32,13 @@ def cp_rank_and_size() -> Tuple[int, int]:
     return parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
 
 
+def dp_cp_size() -> int:
+    """The data-parallel world size with context parallelism folded in (1 without Megatron), the
+    factor slime's `loss_function` multiplies the loss by."""
+    parallel_state = _parallel_state()
+    return 1 if parallel_state is None else parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+
 def cp_group():
     """The context-parallel process group (None when Megatron is not initialised)."""
     parallel_state = _parallel_state()

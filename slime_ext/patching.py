@@ -18,7 +18,10 @@ replaces, in every loaded module that holds them (the defining module and every 
   so the reducer can read prompt_mean's carried denominators from the micro-batch;
 - with --fusedrl-fused-lm-head only, `slime.backends.megatron_utils.model_provider.
   get_model_provider_func` by `handing_off_provider_func(original)`: the actor's output
-  layer hands its hidden states to the log-prob path instead of logits (`lm_head`).
+  layer hands its hidden states to the log-prob path instead of logits (`lm_head`), and
+  `slime.backends.megatron_utils.loss.loss_function` by `main_grad.publishing(original)`, which
+  publishes the step sizes it scales the loss by, so the one-pass op can put the output weight's
+  gradient into megatron's `main_grad` at the right scale (`main_grad`).
 
 Before patching, `install` refuses (ValueError naming them and the entry point) the package's
 flags that are on its process's command line but not on slime's args: slime's own entry script
@@ -36,7 +39,7 @@ import importlib
 import sys
 from typing import Callable, Dict, List, NamedTuple, Tuple
 
-from . import age, carry, lm_head, logprobs, micro_batch
+from . import age, carry, lm_head, logprobs, main_grad, micro_batch
 from .arguments import check_at_first_use, configures_package, refuse_dropped_flags
 from .callables import check_signature, load_function
 from .flags import lm_head as lm_head_flags
@@ -96,6 +99,7 @@ REDUCER_TARGETS = (
 )
 FUSED_LM_HEAD_TARGETS = (
     Target("slime.backends.megatron_utils.model_provider", "get_model_provider_func", handing_off_provider_func),
+    Target("slime.backends.megatron_utils.loss", "loss_function", main_grad.publishing),
 )
 
 _REPLACEMENTS: Dict[Tuple[str, str], Tuple[Callable, Callable]] = {}  # (module, name) -> (original, new)

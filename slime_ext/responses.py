@@ -94,6 +94,7 @@ class ResponseTokens(NamedTuple):
         weight = lm_head.output_weight()
         if weight is None:
             return token_stats(output, ids, rows=self.rows, tp_group=megatron.tp_group(), validate=validate, **kwargs)
+        lm_head.log_path_once("log-probs", "recompute path (linear_token_stats)")
         hidden = lm_head.hidden_rows(output, weight)
         return linear_token_stats(
             hidden, weight, ids, rows=self.rows, tp_group=megatron.tp_group(), validate=validate, **kwargs

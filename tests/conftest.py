@@ -23,3 +23,36 @@ elif not torch.cuda.is_available():
 def device() -> torch.device:
     """Where a test puts the kernels' inputs: CUDA under FUSEDRL_TEST_DEVICE=cuda, else CPU."""
     return DEVICE
+
+
+
+def skip_groups(reports) -> list:
+    """(reason, test files, tests, paths) per distinct skip reason, the largest group first.
+
+    A module skipped whole (its collection report) counts as a test file, a skipped test as a
+    test; the reason is pytest's, without its "Skipped: " prefix.
+    """
+    groups = {}
+    for report in reports:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        group = groups.setdefault(reason.removeprefix("Skipped: "), {"files": 0, "tests": 0, "paths": []})
+        group["files" if report.when == "collect" else "tests"] += 1
+        path = report.nodeid.split("::")[0]
+        if path not in group["paths"]:
+            group["paths"].append(path)
+    rows = [(reason, group["files"], group["tests"], group["paths"]) for reason, group in groups.items()]
+    return sorted(rows, key=lambda row: (-row[1] - row[2], row[0]))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """End the run with one line per group of skipped tests and its reason, which names the
+    variable or package that would enable them: pytest shows skip reasons only under -rs, so a
+    run without FUSEDRL_SLIME_SRC would otherwise pass quietly with fewer tests than CI's."""
+    groups = skip_groups(terminalreporter.stats.get("skipped", []))
+    if not groups:
+        return
+    terminalreporter.write_line("skipped, and what would enable them:")
+    for reason, files, tests, paths in groups:
+        counts = " and ".join(f"{n} {noun}{'' if n == 1 else 's'}" for n, noun in ((files, "test file"), (tests, "test")) if n)
+        shown = ", ".join(paths[:2]) + (", ..." if len(paths) > 2 else "")
+        terminalreporter.write_line(f"  {counts} ({shown}): {reason}")

@@ -19,7 +19,8 @@ CUSTOM_LOSS_PATHS = (*POLICY_LOSS_PATHS, *SFC_LOSS_PATHS)
 SWITCH = Switch(
     FLAG,
     help="Compute the actor's log-probs, entropy and SFC scores from the output layer's hidden "
-    "states and weight in row chunks (fusedrl.kernels.linear_token_stats), never materialising "
+    "states and weight in row chunks (fusedrl.kernels.linear_token_stats; fusedrl's policy and "
+    "SFC losses: linear_token_loss, the gradient made in the forward), never materialising "
     "the [T, V/tp] logits or their gradient. Refuses MTP, the value loss and custom losses "
     "other than fusedrl's.",
 )

@@ -73,7 +73,7 @@ def center(stats, draw_weights: Optional[torch.Tensor] = None, *, validate: bool
     if draw_weights is None:
         weights = torch.full((num_rows, num_draws), 1.0 / num_draws, dtype=torch.float32, device=stats.logp.device)
     else:
-        weights = _checked_draw_weights(draw_weights, num_rows, num_draws, validate).to(stats.logp.device)
+        weights = checked_draw_weights(draw_weights, num_rows, num_draws, validate).to(stats.logp.device)
     centered_score = stats.scores[:, 0] - (stats.scores[:, 1:] * weights).sum(-1)
     kl_term = -(stats.logp[:, 1:] * weights).sum(-1)
     return CenteredScores(centered_score, kl_term, stats.logp[:, 0])
@@ -89,7 +89,7 @@ def sfc_token_loss(scores: CenteredScores, advantages: torch.Tensor, kl_coefs: t
     return -advantages * scores.centered_score + kl_coefs.detach().to(torch.float32) * scores.kl_term
 
 
-def _checked_draw_weights(draw_weights: torch.Tensor, num_rows: int, num_draws: int, check_finite: bool) -> torch.Tensor:
+def checked_draw_weights(draw_weights: torch.Tensor, num_rows: int, num_draws: int, check_finite: bool) -> torch.Tensor:
     """The caller's centering weights as float32, after a shape check and (`check_finite`) a finiteness check."""
     if tuple(draw_weights.shape) != (num_rows, num_draws):
         raise ValueError(

@@ -8,7 +8,9 @@ loss to the reference model (k1, k2, k3, low_var_kl; --use-unbiased-kl) and
 --use-rollout-logprobs, with two differences:
 
 - the log-probs and entropies come from one fused kernel pass over the response rows only
-  (`logprobs.response_log_probs`), top-p replay included;
+  (`logprobs.response_log_probs`), top-p replay included; under --fusedrl-fused-lm-head the loss
+  and its gradient come from the one-pass op over the hidden states (`one_pass`), the per-token
+  terms (`token_terms`) and their combination (`objective`) written once for both paths;
 - pg_loss is aggregated by --loss-aggregation (`aggregation.aggregate_pg_loss`; sample_mean, the
   default, is slime's own formula), while the entropy and KL terms and every metric keep slime's
   reducer, as slime does for its --custom-pg-loss-reducer-function-path.
@@ -21,12 +23,16 @@ mismatch metrics, a custom pg_loss reducer), never ignored: at startup through t
 point, and at the loss's first call whichever way slime was started.
 """
 
+from typing import NamedTuple, Optional
+
 import torch
 
+from .. import one_pass
 from ..aggregation import aggregate_pg_loss
 from ..arguments import check_at_first_use
 from ..flags.policy import KL_TYPES, pg_loss_type
-from ..logprobs import response_log_probs
+from ..logprobs import locate_responses, logprobs_and_entropy, response_log_probs
+from ..responses import check_values
 from .contract import detached, reaching_logits
 
 
@@ -79,58 +85,125 @@ def _top_p_kwargs(args, batch) -> dict:
     return {"top_p_token_ids": ids, "top_p_token_offsets": offsets}
 
 
-def policy_loss(args, batch, logits, sum_of_sample_mean):
-    """slime custom-loss entry: `(loss, metrics)` for one micro-batch, metrics detached 0-d sums of
-    per-sample means named as slime names them."""
-    check_at_first_use(args)
-    kind = pg_loss_type(args)
-    per_sample_log_probs, per_sample_entropy = response_log_probs(
-        logits,
-        args=args,
-        unconcat_tokens=batch["unconcat_tokens"],
-        total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"],
-        with_entropy=True,
-        with_entropy_grad=args.entropy_coef != 0,
-        **_top_p_kwargs(args, batch),
-    )
-    log_probs = torch.cat(per_sample_log_probs)
-    old = batch["rollout_log_probs"] if args.use_rollout_logprobs else batch.get("log_probs")
-    old_log_probs = torch.cat(old) if old else log_probs.detach()
-    advantages = torch.cat(batch["advantages"])
-    ppo_kl = old_log_probs - log_probs
+class PolicyInputs(NamedTuple):
+    """Per-token inputs known before the forward, in the rows' order: old log-probs (None: the
+    current ones, detached), advantages, reference log-probs (None without --use-kl-loss)."""
 
+    old_log_probs: Optional[torch.Tensor]
+    advantages: torch.Tensor
+    ref_log_probs: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, args, batch) -> "PolicyInputs":
+        old = batch["rollout_log_probs"] if args.use_rollout_logprobs else batch.get("log_probs")
+        ref = torch.cat(batch["ref_log_probs"]) if args.use_kl_loss else None
+        return cls(torch.cat(old) if old else None, torch.cat(batch["advantages"]), ref)
+
+    def at(self, slots) -> "PolicyInputs":
+        """The inputs of rows `slots`."""
+        return PolicyInputs(*(None if value is None else value[slots] for value in self))
+
+
+class TokenTerms(NamedTuple):
+    """The per-token terms of the objective and its diagnostics (kl: None without --use-kl-loss)."""
+
+    old_log_probs: torch.Tensor
+    ppo_kl: torch.Tensor
+    pg_loss: torch.Tensor
+    pg_clipfrac: torch.Tensor
+    kl: Optional[torch.Tensor]
+
+
+def token_terms(args, kind: str, log_probs: torch.Tensor, inputs: PolicyInputs) -> TokenTerms:
+    """Every per-token term of the loss from the tokens' log-probs and their known inputs; the
+    one definition the full-tensor path and the one-pass path's chunks both evaluate."""
+    old_log_probs = log_probs.detach() if inputs.old_log_probs is None else inputs.old_log_probs
+    advantages = inputs.advantages
+    ppo_kl = old_log_probs - log_probs
     if kind == "reinforce":
         pg_loss, pg_clipfrac = -advantages.detach() * log_probs, torch.zeros_like(log_probs)
     elif kind == "cispo":
         pg_loss, pg_clipfrac = cispo_surrogate(ppo_kl, log_probs, advantages, args.eps_clip, args.eps_clip_high)
     else:
         pg_loss, pg_clipfrac = clipped_surrogate(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
-
-    pg_loss = aggregate_pg_loss(args, batch, pg_loss)
-    entropy_loss = sum_of_sample_mean(torch.cat(per_sample_entropy))
-    loss = pg_loss - args.entropy_coef * entropy_loss
-    metrics = {
-        "pg_loss": pg_loss,
-        "entropy_loss": entropy_loss,
-        "pg_clipfrac": sum_of_sample_mean(pg_clipfrac),
-        "ppo_kl": sum_of_sample_mean(ppo_kl),
-    }
-
+    kl = None
     if args.use_kl_loss:
-        coef = float(args.kl_loss_coef)
-        kl_log_probs = log_probs if coef != 0 else log_probs.detach()
+        kl_log_probs = log_probs if float(args.kl_loss_coef) != 0 else log_probs.detach()
         ratio = torch.exp(kl_log_probs - old_log_probs) if getattr(args, "use_unbiased_kl", False) else None
-        ref_log_probs = torch.cat(batch["ref_log_probs"])
-        metrics["kl_loss"] = sum_of_sample_mean(approx_kl(kl_log_probs, ref_log_probs, args.kl_loss_type, ratio))
-        if coef != 0:
-            loss = loss + coef * metrics["kl_loss"]
+        kl = approx_kl(kl_log_probs, inputs.ref_log_probs, args.kl_loss_type, ratio)
+    return TokenTerms(old_log_probs, ppo_kl, pg_loss, pg_clipfrac, kl)
 
-    loss = reaching_logits(loss, logits, log_probs.numel())
+
+def objective(args, terms: TokenTerms, entropy: torch.Tensor, reduce_pg, reduce_mean):
+    """(loss, its reduced parts) = pg_loss - entropy_coef * entropy_loss (+ kl_loss_coef * kl_loss)
+    under the reducers given: the full ones, or a chunk's share of them (`one_pass.weighted_sum`)."""
+    parts = {"pg_loss": reduce_pg(terms.pg_loss), "entropy_loss": reduce_mean(entropy)}
+    loss = parts["pg_loss"] - args.entropy_coef * parts["entropy_loss"]
+    if terms.kl is not None:
+        parts["kl_loss"] = reduce_mean(terms.kl)
+        if float(args.kl_loss_coef) != 0:
+            loss = loss + float(args.kl_loss_coef) * parts["kl_loss"]
+    return loss, parts
+
+
+def _one_pass(args, batch, logits, sum_of_sample_mean, kind, tokens, targets, support, inputs):
+    """(loss, log-probs, entropy) by the one-pass op: each chunk's share of `objective`."""
+    num_rows, device = targets.numel(), targets.device
+    pg_weights = one_pass.coefficients(lambda x: aggregate_pg_loss(args, batch, x), num_rows, device)
+    mean_weights = one_pass.coefficients(sum_of_sample_mean, num_rows, device)
+    with_entropy_grad = args.entropy_coef != 0
+
+    def row_loss(stats, slots):
+        rows_support = None if support is None else support.at(slots)
+        log_probs, entropy = logprobs_and_entropy(stats, with_entropy_grad=with_entropy_grad, support=rows_support)
+        terms = token_terms(args, kind, log_probs, inputs.at(slots))
+        reduce_pg, reduce_mean = one_pass.weighted_sum(pg_weights[slots]), one_pass.weighted_sum(mean_weights[slots])
+        return objective(args, terms, entropy, reduce_pg, reduce_mean)[0]
+
+    result = one_pass.linear_token_loss(
+        tokens, logits, targets.unsqueeze(1) if support is None else support.ids, row_loss, args=args, batch=batch,
+        temperature=float(getattr(args, "rollout_temperature", 1.0)), with_entropy=True, validate=check_values(),
+    )  # fmt: skip
+    log_probs, entropy = logprobs_and_entropy(result.stats, with_entropy_grad=False, support=support)
+    return result.loss, log_probs, entropy
+
+
+def policy_loss(args, batch, logits, sum_of_sample_mean):
+    """slime custom-loss entry: `(loss, metrics)` for one micro-batch, metrics detached 0-d sums of
+    per-sample means named as slime names them. Under --fusedrl-fused-lm-head the one-pass op
+    computes the loss and its gradient (`one_pass`), else the log-probs come from the kernel and
+    the loss from them by autograd; both evaluate `token_terms` and `objective`."""
+    check_at_first_use(args)
+    kind = pg_loss_type(args)
+    inputs = PolicyInputs.of(args, batch)
+    tokens, targets, support = locate_responses(
+        logits, args, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"],
+        **_top_p_kwargs(args, batch),
+    )  # fmt: skip
+    if one_pass.applies(tokens, "policy_loss"):
+        loss, log_probs, entropy = _one_pass(args, batch, logits, sum_of_sample_mean, kind, tokens, targets, support, inputs)
+    else:
+        per_sample_log_probs, per_sample_entropy = response_log_probs(
+            logits, tokens=tokens, targets=targets, support=support, args=args, with_entropy=True,
+            with_entropy_grad=args.entropy_coef != 0,
+        )  # fmt: skip
+        log_probs, entropy = torch.cat(per_sample_log_probs), torch.cat(per_sample_entropy)
+        loss = None
+    terms = token_terms(args, kind, log_probs, inputs)
+    full_loss, parts = objective(args, terms, entropy, lambda x: aggregate_pg_loss(args, batch, x), sum_of_sample_mean)
+    loss = reaching_logits(full_loss if loss is None else loss, logits, log_probs.numel())
+    metrics = {
+        "pg_loss": parts["pg_loss"],
+        "entropy_loss": parts["entropy_loss"],
+        "pg_clipfrac": sum_of_sample_mean(terms.pg_clipfrac),
+        "ppo_kl": sum_of_sample_mean(terms.ppo_kl),
+    }
+    if "kl_loss" in parts:
+        metrics["kl_loss"] = parts["kl_loss"]
 
     rollout_log_probs = batch.get("rollout_log_probs")
     if rollout_log_probs:
-        compared = log_probs if args.use_rollout_logprobs else old_log_probs
+        compared = log_probs if args.use_rollout_logprobs else terms.old_log_probs
         metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((compared - torch.cat(rollout_log_probs)).abs())
     if batch.get("opd_reverse_kl"):
         metrics["opd_reverse_kl"] = sum_of_sample_mean(torch.cat(batch["opd_reverse_kl"]))

@@ -72,7 +72,9 @@ def _get_model_provider_func(args, role="actor"):
 def fake_slime(monkeypatch):
     """slime's defining modules of every install target, and a consumer of the model provider."""
     modules = {
-        "slime.backends.megatron_utils.loss": dict(get_log_probs_and_entropy=_slime_function()),
+        "slime.backends.megatron_utils.loss": dict(
+            get_log_probs_and_entropy=_slime_function(), loss_function=_slime_function()
+        ),
         "slime.utils.ppo_utils": dict(calculate_log_probs_and_entropy=_slime_function()),
         "slime.backends.megatron_utils.data": dict(get_batch=_slime_function()),
         "slime.backends.megatron_utils.model_provider": dict(get_model_provider_func=_get_model_provider_func),
@@ -93,6 +95,7 @@ def test_install_wraps_the_model_provider_only_with_the_flag(fake_slime):
     patching.install(Namespace(loss_type="policy_loss", fusedrl_fused_lm_head=True))
     wrapped = fake_slime.get_model_provider_func
     assert wrapped.__module__ == "fusedrl.slime_ext.patching"
+    assert getattr(sys.modules["slime.backends.megatron_utils.loss"].loss_function, "_fusedrl_publishes_schedule", False)
     assert wrapped(None, "critic") == ("provider", "critic")  # other roles: slime's provider itself
     patching.uninstall()
     assert fake_slime.get_model_provider_func.__module__ == __name__

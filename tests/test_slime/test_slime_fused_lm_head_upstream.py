@@ -82,7 +82,7 @@ def _observe(rank, world_size):
         torch.manual_seed(0)
         fusedrl_slime.install(args)
         try:
-            assert slime_model.get_model_provider_func.__module__ == "fusedrl.slime_ext.lm_head"
+            assert slime_model.get_model_provider_func.__module__ == "fusedrl.slime_ext.patching"
             model = slime_model.get_model_provider_func(args, "actor")(pre_process=True, post_process=True)
             fused = _log_probs_and_grads(model, tokens, args, slime_loss.get_log_probs_and_entropy)
             expected = model.embedding.word_embeddings.weight if tied else model.output_layer.weight

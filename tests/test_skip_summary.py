@@ -1,0 +1,52 @@
+"""The skip summary of tests/conftest.py: one line per group of skipped tests, naming the reason
+(and so the variable or package that would enable them), from a pytest run on a generated folder."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+SKIPPING = {
+    "test_env_a.py": 'import pytest\npytest.skip("FUSEDRL_FAKE_SRC is not set: point it at a checkout", allow_module_level=True)\n',
+    "test_env_b.py": 'import pytest\npytest.skip("FUSEDRL_FAKE_SRC is not set: point it at a checkout", allow_module_level=True)\n',
+    "test_package.py": 'import pytest\npytest.importorskip("fusedrl_no_such_package")\n\ndef test_never():\n    pass\n',
+    "test_marked.py": (
+        "import pytest\n\n"
+        "@pytest.mark.skipif(True, reason='needs FUSEDRL_FAKE_DEVICE=1')\n"
+        "@pytest.mark.parametrize('n', [1, 2])\n"
+        "def test_marked(n):\n    pass\n\n"
+        "def test_runs():\n    pass\n"
+    ),
+}
+
+
+def run_pytest(folder: Path, files: dict) -> str:
+    """Stdout of pytest -q over `files` written into `folder`, with the session's conftest loaded
+    as a plugin (the folder has no conftest of its own and its own empty pytest.ini)."""
+    for name, text in {"pytest.ini": "[pytest]\n", **files}.items():
+        (folder / name).write_text(text)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", str(folder)],
+        cwd=folder, env=environment, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_one_line_per_skip_reason_naming_what_enables_it(tmp_path):
+    out = run_pytest(tmp_path, SKIPPING)
+    summary = out[out.index("skipped, and what would enable them:\n") :].splitlines()[1:4]
+    assert summary == [
+        "  2 test files (test_env_a.py, test_env_b.py): FUSEDRL_FAKE_SRC is not set: point it at a checkout",
+        "  2 tests (test_marked.py): needs FUSEDRL_FAKE_DEVICE=1",
+        "  1 test file (test_package.py): could not import 'fusedrl_no_such_package': No module named 'fusedrl_no_such_package'",
+    ], out
+    assert "1 passed, 5 skipped" in out
+
+
+def test_nothing_skipped_prints_no_summary(tmp_path):
+    out = run_pytest(tmp_path, {"test_plain.py": "def test_plain():\n    pass\n"})
+    assert "1 passed" in out and "what would enable them" not in out
