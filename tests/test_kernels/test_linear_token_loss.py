@@ -1,7 +1,7 @@
 """Parity of the one-pass LM-head loss (`linear_token_loss`) with a float64 truth and with the recompute
 path (`linear_token_stats`, then the same loss), and its main_grad protocol.
 
-The truth applies the same separable loss (tests/lm_head_cases.py: PPO's clipped ratio, squared
+The truth applies the same separable loss (tests/test_kernels/lm_head_cases.py: PPO's clipped ratio, squared
 log-ratios, score and entropy terms, a mask) to the float64 `token_stats_reference` of
 hidden @ weight.T. Shapes break the chunking as the recompute tests do: chunks that do not divide
 the rows, one row per chunk, a chunk larger than the selection, V = 1, odd V, V above the kernels'
