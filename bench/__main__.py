@@ -183,7 +183,7 @@ def main(argv=None):
     subject_table = report.format_subject_table(records)
     if subject_table:
         print(subject_table)
-    print(summary.legend(gpu))
+    print(summary.legend(gpu, subject_table=bool(subject_table)))
     for line in summary.conclusions(records, gpu):
         print(line)
     for note in notes:

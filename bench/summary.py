@@ -25,9 +25,16 @@ GPU_LEGEND = (
 )
 
 
-def legend(gpu: bool) -> str:
-    """The table's columns, one line each."""
-    return "\n".join(f"  {line}" for line in (GPU_LEGEND if gpu else CPU_LEGEND))
+SUBJECT_LEGEND = (
+    "per subject (LM head): GEMM GFLOP counted over forward + backward; x 2TVH: that in GEMMs of the logits' size; "
+    "extra MiB / of eager: peak extra memory, and as a share of the unfused path's",
+)
+
+
+def legend(gpu: bool, subject_table: bool = False) -> str:
+    """The tables' columns, one line each (`subject_table`: the LM head's per-subject table too)."""
+    lines = (GPU_LEGEND if gpu else CPU_LEGEND) + (SUBJECT_LEGEND if subject_table else ())
+    return "\n".join(f"  {line}" for line in lines)
 
 
 def _phase_shown(records) -> str:
@@ -70,6 +77,17 @@ def _cpu_line(by_subject) -> str:
     return ", ".join(parts) + " (median)" if parts else "no bytes counted"
 
 
+def _gemm_figures(by_subject) -> str:
+    """`; GEMMs of the logits' size: fused 4.00, eager 3.00` where the records count GEMM flops."""
+    parts = []
+    for name, rows in by_subject.items():
+        counted = [r["gemm_flops"] / (2 * r["case"].tokens * r["case"].vocab * r["case"].hidden) for r in rows
+                   if r.get("gemm_flops")]  # fmt: skip
+        if counted:
+            parts.append(f"{name} {_median(counted):.2f}")
+    return f"; GEMMs of the logits' size: {', '.join(parts)}" if parts else ""
+
+
 def conclusions(records, gpu: bool) -> list:
     """One line per op, e.g. `token_stats fwd+bwd, 6 cases: fused moves 1.00x the floor, eager 2.65x
     the floor (median); worst error fused 3e-07, eager 2e-07`."""
@@ -83,5 +101,6 @@ def conclusions(records, gpu: bool) -> list:
         by_subject = _by_subject(shown)
         cases = len({id(record["case"]) for record in shown})
         figures = _gpu_line(by_subject) if gpu else _cpu_line(by_subject)
-        lines.append(f"{op} {phase}, {cases} case{'s' * (cases != 1)}: {figures}; worst error {_worst_errors(by_subject)}")
+        line = f"{op} {phase}, {cases} case{'s' * (cases != 1)}: {figures}; worst error {_worst_errors(by_subject)}"
+        lines.append(line + _gemm_figures(by_subject))
     return lines

@@ -4,7 +4,8 @@ from bench_package import import_bench
 
 import_bench()
 from bench.cases import Case, SegmentCase  # noqa: E402
-from bench.summary import CPU_LEGEND, GPU_LEGEND, conclusions, legend  # noqa: E402
+from bench.summary import CPU_LEGEND, GPU_LEGEND, SUBJECT_LEGEND, conclusions, legend  # noqa: E402
+from bench.workloads.linear_token_stats import LinearCase  # noqa: E402
 
 
 def _record(case, phase, subject, error, bytes_moved=None, time_ms=None):
@@ -40,6 +41,16 @@ def test_gpu_conclusion_names_copy_share_and_each_peers_time_ratio():
                     "its time; liger takes 2.00x its time; worst error fused 1e-03, eager 1e-03, liger 2e-03")  # fmt: skip
 
 
+def test_lm_head_conclusion_counts_gemms_in_logits_sized_units():
+    case = LinearCase(32, 1000, "fp32", 1, False, hidden=16)
+    one_gemm = 2 * 32 * 1000 * 16
+    records = [dict(_record(case, "fwd+bwd", name, 1e-7, bytes_moved=1000), gemm_flops=gemms * one_gemm)
+               for name, gemms in (("fused", 4), ("eager", 3), ("one_pass", 3))]  # fmt: skip
+    (line,) = conclusions(records, gpu=False)
+    assert line.endswith("; GEMMs of the logits' size: fused 4.00, eager 3.00, one_pass 3.00")
+
+
 def test_legend_has_a_line_per_column_family():
     assert legend(gpu=False).splitlines() == [f"  {line}" for line in CPU_LEGEND]
     assert legend(gpu=True).splitlines() == [f"  {line}" for line in GPU_LEGEND]
+    assert legend(gpu=False, subject_table=True).splitlines()[-1] == f"  {SUBJECT_LEGEND[0]}"
