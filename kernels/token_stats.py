@@ -615,6 +615,7 @@ def token_stats(
     outputs = token_stats_op(logits, *op_arguments(inputs, with_entropy, tp), bool(inplace_backward))
     return public_stats(outputs, with_entropy)
 
+
 def token_logprobs(logits, ids, **kwargs):
     """(logp [N, J], entropy [N] or None): `token_stats` without the scores."""
     stats = token_stats(logits, ids, **kwargs)

@@ -26,6 +26,7 @@ from ..kernels import linear_token_loss as kernel_linear_token_loss
 from . import lm_head, main_grad, megatron
 from .responses import ResponseTokens
 
+
 def applies(tokens: ResponseTokens, loss_name: str) -> bool:
     """Whether `loss_name`'s call on these tokens runs the one-pass path (logged once)."""
     if lm_head.output_weight() is None:

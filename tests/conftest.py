@@ -25,7 +25,6 @@ def device() -> torch.device:
     return DEVICE
 
 
-
 def skip_groups(reports) -> list:
     """(reason, test files, tests, paths) per distinct skip reason, the largest group first.
 

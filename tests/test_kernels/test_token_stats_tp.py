@@ -16,6 +16,7 @@ from token_stats_cases import CollectiveCounter, loss_of, make_ids, random_logit
 
 from fusedrl.kernels import token_stats, token_stats_reference
 
+
 def shard_worker(rank, world_size, logits, ids, rows, grads, kwargs, use_megatron):
     """This rank's outputs, gradient shard and collective counts for its column shard."""
     width = logits.shape[1] // world_size

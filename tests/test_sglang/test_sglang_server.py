@@ -41,7 +41,6 @@ from sglang_server import (
 )
 
 
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from running_server(tmp_path_factory, "plugin", PLUGIN_ENV)

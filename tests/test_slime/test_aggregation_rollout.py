@@ -186,7 +186,6 @@ def test_readers_reject_missing_and_misaligned_tensors():
         carry.per_sample(batch, "fusedrl_missing")
 
 
-
 def test_group_cut_between_two_steps_is_refused_naming_group_and_batch_settings():
     """At 2 rollouts per step, group 7's rollouts 0, 1 train in step 0 and rollout 2 in step 1."""
     with pytest.raises(ValueError, match=r"prompt group 7 \(Sample.group_index\) lies across step 0, step 1 of the rollout.*"
