@@ -91,9 +91,7 @@ def _megatron(device):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.cross_entropy import (
-            vocab_parallel_cross_entropy,
-        )
+        from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)

@@ -89,7 +89,8 @@ def _slime_normaliser(args, batch) -> int:
     least 1) under --calculate-per-token-loss, else 1."""
     if not args.calculate_per_token_loss:
         return 1
-    return int(sum(max(int(mask.sum()), 1) for mask in batch["loss_masks"]))
+    per_sample = torch.stack([mask.sum() for mask in batch["loss_masks"]]).clamp(min=1)
+    return int(per_sample.sum())  # one host read for the micro-batch
 
 
 class Target(NamedTuple):

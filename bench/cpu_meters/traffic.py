@@ -18,13 +18,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .aten_ops import (
-    ALLOCATING_OPS,
-    package_op_body,
-    relabels_memory,
-    tensor_bytes,
-    tensors_in,
-)
+from .aten_ops import ALLOCATING_OPS, package_op_body, relabels_memory, tensor_bytes, tensors_in
 
 aten = torch.ops.aten
 

@@ -25,11 +25,7 @@ from typing import NamedTuple
 
 import torch
 from fusedrl.kernels import token_stats
-from fusedrl.slime_ext.losses.sfc import (
-    centered_scores,
-    kl_coefficients,
-    sfc_token_loss,
-)
+from fusedrl.slime_ext.losses.sfc import centered_scores, kl_coefficients, sfc_token_loss
 
 METHODS = ("reinforce", "sfc")
 STALENESS = (0, 4, 8)
