@@ -6,7 +6,11 @@ and runs `validate_fusedrl_args` on the parsed namespace before training starts.
 flags and checks live in `flags/`; the order they run in is carried by the data they pass on:
 the aggregation checks take, as an argument, the mode the SFC checks say --sfc-loss-agg-mode
 stands for. The policy-loss checks read slime's own flags and --pg-loss-type; the fused LM head's read
-slime's flags besides its own.
+slime's flags besides its own; the last checks meet slime's own newer features (`flags/slime_features.py`).
+
+A flag the installed slime defines itself is never registered twice (`slime_options`): where the
+package adopts slime's definition (--pg-loss-type) the feature skips it, and any other package flag
+slime has come to define is refused by name, since the package cannot know slime's meaning of it.
 
 The package's losses and hooks also run inside slime's trainer when it was started by slime's
 own `train.py` (the flags then never reached slime's args), so each calls `check_at_first_use`
@@ -20,7 +24,8 @@ import argparse
 import copy
 import weakref
 
-from .flags import aggregation, lm_head, log_probs, policy, sfc
+from . import slime_options
+from .flags import aggregation, lm_head, log_probs, policy, sfc, slime_features
 
 # Resolved at first use without harm: only the package's own losses read them, per call.
 LATE_RESOLVABLE = ("loss_aggregation", "loss_aggregation_divisor")
@@ -28,9 +33,23 @@ ENTRY_POINT = "python -m fusedrl.slime_ext.train path/to/slime/train.py"
 _CHECKED = {}  # id(args) -> weak reference, for the args objects that passed check_at_first_use
 
 
+FEATURES = (aggregation, policy, sfc, lm_head, log_probs)
+
+
 def add_fusedrl_arguments(parser):
-    """Register every feature's flags on slime's parser; returns the parser (slime's convention)."""
-    for feature in (aggregation, policy, sfc, lm_head, log_probs):
+    """Register every feature's flags on slime's parser (those slime does not define itself);
+    returns the parser (slime's convention). ValueError naming a package flag the installed slime
+    now defines with a meaning the package does not adopt."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    for feature in FEATURES:
+        feature.add_arguments(scratch)
+    clashes = sorted({option for action in scratch._actions for option in action.option_strings} & slime_options.defined_options())
+    if clashes:
+        raise ValueError(
+            f"the installed slime defines {', '.join(clashes)} itself, as fusedrl does: this fusedrl does not know "
+            "slime's meaning of it, so it cannot register its own; use a fusedrl release that knows this slime"
+        )
+    for feature in FEATURES:
         feature.add_arguments(parser)
     return parser
 
@@ -45,6 +64,7 @@ def validate_fusedrl_args(args) -> None:
     policy.validate_args(args)
     lm_head.validate_args(args)
     log_probs.validate_args(args)
+    slime_features.validate_args(args)
 
 
 def fusedrl_defaults() -> dict:
@@ -103,7 +123,7 @@ def check_at_first_use(args) -> None:
     policy.validate_args(argparse.Namespace(**{**vars(args), **missing}))  # slime's flags, named first
     if len(missing) == len(defaults):
         raise ValueError(
-            f"--loss-aggregation, --pg-loss-type and the package's other flags are not on slime's args: slime's "
+            f"--loss-aggregation and the package's other flags are not on slime's args: slime's "
             f"parser drops flags it does not define, so given to slime's own train.py they never arrive. Start "
             f"training through `{ENTRY_POINT} ...` (or set them in --custom-config-path's YAML)"
         )

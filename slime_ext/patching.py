@@ -25,7 +25,8 @@ replaces, in every loaded module that holds them (the defining module and every 
 
 Before patching, `install` refuses (ValueError naming them and the entry point) the package's
 flags that are on its process's command line but not on slime's args: slime's own entry script
-dropped them. When the run was started through `fusedrl.slime_ext.train` and another init hook was
+dropped them; and slime's own features its patches cannot run with (`flags/slime_features.py`:
+`--log-probs-backend triton`, ...), also for args that carry none of the package's flags. When the run was started through `fusedrl.slime_ext.train` and another init hook was
 given, the entry point moved it to `args.fusedrl_user_init_path`; `install` calls it after patching.
 
 Modules imported later pick up the replacement from the (already patched) defining module.
@@ -44,6 +45,7 @@ from .arguments import check_at_first_use, configures_package, refuse_dropped_fl
 from .callables import check_signature, load_function
 from .flags import lm_head as lm_head_flags
 from .flags import log_probs as log_probs_flags
+from .flags import slime_features
 from .flags.aggregation import REDUCER_PATH
 from .flags.sfc import uses_sfc
 
@@ -145,13 +147,15 @@ def install(args=None) -> None:
     """slime's init hook: refuse the package's flags that slime's parser dropped from the command
     line (`arguments.refuse_dropped_flags`: slime's own entry script was run with them), run the
     package's flag checks when its flags, losses or hooks are configured
-    (`arguments.check_at_first_use`), patch the targets in every loaded module (idempotent; see
+    (`arguments.check_at_first_use`), else those of slime's own features against its patches, patch the targets in every loaded module (idempotent; see
     `_targets`), start the weight-version age bookkeeping when the SFC loss is configured, then run
     the user's own init hook when the entry point moved it to --fusedrl-user-init-path."""
     if args is not None:
         refuse_dropped_flags(args, sys.argv[1:])
         if configures_package(args):
-            check_at_first_use(args)
+            check_at_first_use(args)  # slime's own features among its checks
+        else:
+            slime_features.validate_args(args)
     for target in _targets(args):
         _rebind_everywhere(*_replacement_for(target))
     if args is not None and uses_sfc(args):

@@ -3,12 +3,20 @@
 slime features `fusedrl.slime_ext.losses.policy_loss` does not implement are refused here (GSPO,
 OPSM, TIS / mismatch metrics, a custom pg_loss reducer), never ignored. Every flag read here is
 slime's (slime/utils/arguments.py) or registered below.
+
+Newer slime defines --pg-loss-type itself (choices ppo, reinforce; default None, slime's default
+objective); the package then registers nothing and reads slime's flag, which slime's own policy
+loss reads too. Where slime does not define it (slime 624b824) the package registers the same
+definition, read by its policy loss alone.
 """
 
+from .. import slime_options
 from . import custom_loss_is
 
 LOSS_PATHS = ("fusedrl.slime_ext.losses.policy_loss", "fusedrl.slime_ext.losses.policy.policy_loss")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+FLAG = "--pg-loss-type"
+PACKAGE_LOSSES = "fusedrl.slime_ext.losses."
 PG_LOSS_TYPES = ("ppo", "reinforce")
 UNSUPPORTED_FLAGS = ("use_opsm", "use_tis", "get_mismatch_metrics")
 
@@ -19,20 +27,22 @@ def uses_policy_loss(args) -> bool:
 
 
 def add_arguments(parser):
-    """Register --pg-loss-type on slime's parser."""
+    """Register --pg-loss-type on slime's parser, unless the installed slime defines it."""
+    if slime_options.defines(FLAG):
+        return parser
     parser.add_argument(
-        "--pg-loss-type",
+        FLAG,
         choices=PG_LOSS_TYPES,
-        default="ppo",
-        help="Objective of fusedrl.slime_ext.losses.policy_loss: ppo (slime's: PPO clip, or CISPO under "
-        "--advantage-estimator cispo) or reinforce (ratio-free -A log pi). Only with that loss.",
+        default=None,
+        help="Objective of fusedrl.slime_ext.losses.policy_loss: unset or ppo, slime's (PPO clip, or CISPO "
+        "under --advantage-estimator cispo), or reinforce (ratio-free -A log pi). Only with that loss.",
     )
     return parser
 
 
 def pg_loss_type(args) -> str:
     """The objective: reinforce (--pg-loss-type reinforce), cispo (advantage estimator cispo) or ppo."""
-    if args.pg_loss_type == "reinforce":
+    if getattr(args, "pg_loss_type", None) == "reinforce":
         if args.advantage_estimator in ("gspo", "cispo"):
             raise ValueError(
                 f"--pg-loss-type reinforce cannot combine with --advantage-estimator {args.advantage_estimator}"
@@ -44,11 +54,7 @@ def pg_loss_type(args) -> str:
 def validate_args(args) -> None:
     """Startup checks of the policy loss's configuration; ValueError naming the flag."""
     if not uses_policy_loss(args):
-        if getattr(args, "pg_loss_type", "ppo") != "ppo":
-            raise ValueError(
-                f"--pg-loss-type {args.pg_loss_type} is set but the loss is not {LOSS_PATHS[0]} "
-                "(--loss-type custom_loss --custom-loss-function-path ...), which alone reads it"
-            )
+        _reject_unread_pg_loss_type(args)
         return
     pg_loss_type(args)
     if args.advantage_estimator == "gspo":
@@ -64,3 +70,18 @@ def validate_args(args) -> None:
         raise ValueError(f"--eps-clip-c (dual-clip lower bound) must be > 1.0, got {args.eps_clip_c}")
     if args.use_kl_loss and args.kl_loss_type not in KL_TYPES:
         raise ValueError(f"--kl-loss-type must be one of {KL_TYPES}, got {args.kl_loss_type!r}")
+
+
+def _reject_unread_pg_loss_type(args) -> None:
+    """--pg-loss-type reinforce where no loss reads it: any loss but the package's policy loss
+    when the package registered the flag; the package's other losses (SFC) when slime defines it,
+    since slime's own losses, and a user's custom loss, may then read slime's flag."""
+    if getattr(args, "pg_loss_type", None) != "reinforce":
+        return
+    path = getattr(args, "custom_loss_function_path", None) if getattr(args, "loss_type", None) == "custom_loss" else None
+    if slime_options.defines(FLAG) and not str(path).startswith(PACKAGE_LOSSES):
+        return
+    raise ValueError(
+        f"--pg-loss-type reinforce is set but the loss is not {LOSS_PATHS[0]} "
+        "(--loss-type custom_loss --custom-loss-function-path ...), the package's only loss that reads it"
+    )

@@ -23,7 +23,7 @@ def plain_slime_args(**overrides):
 @pytest.mark.parametrize(
     "overrides,named",
     [
-        (dict(), "--loss-aggregation, --pg-loss-type and the package's other flags are not on slime's args"),
+        (dict(), "--loss-aggregation and the package's other flags are not on slime's args"),
         (dict(use_opsm=True), "--use-opsm"),
         (dict(custom_loss_function_path="fusedrl.slime_ext.losses.policy.policy_loss", advantage_estimator="gspo"), "--advantage-estimator gspo"),
     ],
@@ -55,7 +55,7 @@ def test_startup_validated_args_pass_once_and_late_resolvable_flags_resolve():
     args = slime_args(loss_aggregation=None)  # --custom-config-path's YAML gave only some flags
     del args.pg_loss_type
     arguments.check_at_first_use(args)
-    assert (args.loss_aggregation, args.pg_loss_type) == ("sample_mean", "ppo")
+    assert (args.loss_aggregation, args.pg_loss_type) == ("sample_mean", None)
     args.use_opsm = True  # checked once per args object: the loss pays the check on its first call only
     arguments.check_at_first_use(args)
 

@@ -1,23 +1,31 @@
-"""fusedrl's flags through slime's real argument parser (FUSEDRL_SLIME_SRC; tests/test_slime/upstream_slime.py).
+"""fusedrl's flags through slime's real argument parser (FUSEDRL_SLIME_SRC; tests/test_slime/upstream_slime.py),
+as slime 624b824 defines it and as a newer slime does (`upstream_slime.use_newer_flags`: its own
+--pg-loss-type, --use-score-centering, --score-centering-top-k, --log-probs-backend,
+--flush-cache-interval, and a `slime_validate_args` returning `(args, restore_plan)`).
 
 slime parses with `ignore_unknown_args=True`: a flag nobody registered is dropped without a word.
 So every flag the package documents or reads must be registered on slime's parser, by slime or by
-`add_fusedrl_arguments` (the `add_custom_arguments` of `fusedrl.slime_ext.train`).
+`add_fusedrl_arguments` (the `add_custom_arguments` of `fusedrl.slime_ext.train`), and never by
+both: slime registers the custom arguments first, so a flag both define stops every parse.
 
 slime is imported only in one spawned worker (`observe`), which parses every command line the
-tests need and returns plain values.
+tests need, on both parsers, runs the package's entry point and init hook on them, and returns
+plain values.
 """
 
 import argparse
+import os
 
 import pytest
 import upstream_slime
 from distributed import run_on_ranks
 
 from fusedrl.slime_ext.arguments import add_fusedrl_arguments
+from fusedrl.slime_ext.flags.aggregation import ROLLOUT_FUNCTION_PATH
 
 upstream_slime.require()
 
+PARSERS = ("624b824", "newer")
 # The least slime's own checks (slime_validate_args) accept.
 BASE_ARGV = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "1"]
 POLICY_LOSS = ["--loss-type", "custom_loss", "--custom-loss-function-path", "fusedrl.slime_ext.losses.policy_loss"]
@@ -46,7 +54,50 @@ PROMPT_MEAN_STEPS = {
     for loss, argv in (("policy_loss", []), ("fusedrl", POLICY_LOSS)) for steps in (2, 4)
 }
 # slime's own train.py with the init hook and a package flag its parser drops.
-HOOK_ONLY_ARGV = ["--custom-megatron-init-path", "fusedrl.slime_ext.install", "--loss-aggregation", "prompt_mean"]
+INIT_HOOK = ["--custom-megatron-init-path", "fusedrl.slime_ext.install"]
+HOOK_ONLY_ARGV = INIT_HOOK + ["--loss-aggregation", "prompt_mean"]
+# The configuration in which each package flag is read (the flag's own value comes after it).
+FLAG_CONTEXTS = {
+    "--loss-aggregation": POLICY_LOSS + ["--loss-aggregation-divisor", "64"],  # the divisor: for constant
+    "--loss-aggregation-divisor": POLICY_LOSS + ["--loss-aggregation", "constant"],
+    "--loss-aggregation-strict-prompt-scale": POLICY_LOSS + ["--loss-aggregation", "prompt_mean"],
+    "--loss-aggregation-inner-rollout-function-path": POLICY_LOSS
+    + ["--loss-aggregation", "prompt_mean", "--rollout-function-path", ROLLOUT_FUNCTION_PATH],
+    "--pg-loss-type": POLICY_LOSS,
+    "--sfc-num-auxiliary-token-samples": SFC_LOSS,
+    "--sfc-kl-beta": SFC_LOSS,
+    "--sfc-loss-agg-mode": SFC_LOSS,
+    "--sfc-inner-generate-function-path": SFC_LOSS,
+    "--fusedrl-fused-lm-head": POLICY_LOSS,
+    "--fusedrl-keep-slime-log-probs": [],
+}
+PLUGIN_ON = {"AGENTCORE_SGLANG_TOKEN_SAMPLES": "1"}
+# slime's own newer features the package cannot run with: (command line, environment, what the
+# refusal names), refused by the entry point's checks and by the init hook.
+REFUSED = {
+    "triton_backend": (["--log-probs-backend", "triton"], {}, ("--log-probs-backend triton", "fusedrl.slime_ext.install")),
+    "triton_backend_fused_lm_head": (["--log-probs-backend", "triton", "--fusedrl-fused-lm-head"], {},
+                                     ("--log-probs-backend triton", "--fusedrl-fused-lm-head")),
+    "score_centering_fused_lm_head": (["--use-score-centering", "--fusedrl-fused-lm-head"], {},
+                                      ("--use-score-centering", "--fusedrl-fused-lm-head")),
+    "score_centering_policy_loss": (POLICY_LOSS + ["--use-score-centering"], {},
+                                    ("--use-score-centering", "fusedrl.slime_ext.losses.policy_loss")),
+    "score_centering_prompt_mean": (["--use-score-centering", "--loss-aggregation", "prompt_mean"], {},
+                                    ("--use-score-centering", "--loss-aggregation prompt_mean")),
+    "score_centering_plugin_draws": (["--use-score-centering"], PLUGIN_ON,
+                                     ("--use-score-centering", "AGENTCORE_SGLANG_TOKEN_SAMPLES=1")),
+    "flush_cache_interval_sfc": (SFC_LOSS + ["--flush-cache-interval", "2"], {},
+                                 ("--flush-cache-interval 2", "fusedrl.slime_ext.losses.sfc_loss")),
+}  # fmt: skip
+# Refused also where slime's own train.py runs the init hook alone (no package flag on the command line).
+REFUSED_HOOK_ONLY = ("triton_backend", "score_centering_plugin_draws")
+# slime's newer features next to the package's where they can run: accepted by both.
+ACCEPTED = {
+    "triton_backend_slimes_log_probs": ["--log-probs-backend", "triton", "--fusedrl-keep-slime-log-probs"],
+    "score_centering_slimes_policy_loss": ["--use-score-centering", "--loss-aggregation", "token_mean"],
+    "flush_cache_interval_policy_loss": POLICY_LOSS + ["--flush-cache-interval", "2"],
+    "slimes_reinforce": ["--pg-loss-type", "reinforce"],  # slime's own objective on slime's policy loss
+}
 
 
 def fusedrl_actions():
@@ -89,9 +140,17 @@ class ReadRecorder(argparse.Namespace):
         return object.__getattribute__(self, name)
 
 
-def observe(rank, world_size, cases):
-    """Every parse the tests check, in a process that imports slime: a dict of plain values."""
+def observe(rank, world_size, cases, script):
+    """Every parse the tests check, on slime 624b824's parser and then on the newer one, in a
+    process that imports slime: {parser: a dict of plain values}."""
     root = upstream_slime.load()
+    out = {"624b824": observe_parser(root, cases, script)}
+    upstream_slime.use_newer_flags()
+    out["newer"] = observe_parser(root, cases, script)
+    return out
+
+
+def observe_parser(root, cases, script):
     from slime.utils import arguments
 
     from fusedrl.slime_ext import train as entry
@@ -108,8 +167,8 @@ def observe(rank, world_size, cases):
 
     plain, _ = parse([], with_fusedrl=False)
     slime_dests = set(vars(plain)) | set(vars(arguments._pre_parse_mode()))
-    defined = slime_dests | {action.dest for action in fusedrl_actions()}
-    out = {"slime_dests": slime_dests, "flags": {}, "undefined_reads": {}, "prompt_mean_errors": {}}
+    registered = {action.dest for action in fusedrl_actions()}  # what the package registers on this slime
+    out = {"slime_dests": slime_dests, "registered": registered, "flags": {}, "undefined_reads": {}, "prompt_mean_errors": {}}
     for flag, values, dest, _ in cases:
         args, unknown = parse([flag, *values])
         out["flags"][flag, values] = (unknown, getattr(args, dest))
@@ -121,7 +180,7 @@ def observe(rank, world_size, cases):
     for name, argv in CHECKED.items():
         recorder = ReadRecorder(parse(argv)[0])
         entry.validate(recorder)
-        out["undefined_reads"][name] = recorder._reads - defined
+        out["undefined_reads"][name] = recorder._reads - slime_dests - registered
     out["token_mean_per_token"] = parse(["--loss-aggregation", "token_mean"])[0].calculate_per_token_loss
     for name, (extra, _) in PROMPT_MEAN_BREAKERS.items():
         out["prompt_mean_errors"][name] = validate_error(parse(POLICY_LOSS + ["--loss-aggregation", "prompt_mean", *extra])[0])
@@ -130,21 +189,81 @@ def observe(rank, world_size, cases):
         args = parse(argv)[0]
         out["prompt_mean_steps"][name] = (validate_error(args), args.loss_type, args.custom_pg_loss_reducer_function_path,
                                           args.global_batch_size)  # fmt: skip
-    out["hook_only"] = hook_only_install_error(root)
+    out["hook_only"] = install_error(root, *upstream_slime.parse_known_args(BASE_ARGV + HOOK_ONLY_ARGV), HOOK_ONLY_ARGV)
+    out["plain_install"] = install_error(root, plain, [], INIT_HOOK)
+    out["entry"] = {(flag, values): through_entry_point(root, script, FLAG_CONTEXTS[flag] + [flag, *values], dest)
+                    for flag, values, dest, _ in cases}  # fmt: skip
+    out["refused"], out["accepted"] = {}, {}
+    if "use_score_centering" in slime_dests:  # the newer parser
+        for name, (argv, environ, _) in REFUSED.items():
+            out["refused"][name] = refusals(root, script, argv, environ, parse, hook_only=name in REFUSED_HOOK_ONLY)
+        for name, argv in ACCEPTED.items():
+            out["accepted"][name] = refusals(root, script, argv, {}, parse, hook_only=False)
     return out
 
 
-def hook_only_install_error(root):
-    """`python train.py ...HOOK_ONLY_ARGV` as slime runs it: its own parser (no package flags),
-    then its init hook `fusedrl.slime_ext.install(args)` in a process whose command line is that
-    one. Returns (what slime's parser dropped, the hook's error or None)."""
-    import os
+def outcome(call, *args):
+    """call(*args) or the error it raised, as "Type: message" (argparse's exit included)."""
+    try:
+        return call(*args), None
+    except (Exception, SystemExit) as error:  # the observation under test
+        return None, f"{type(error).__name__}: {error}"
+
+
+def through_entry_point(root, script, argv, dest):
+    """`python -m fusedrl.slime_ext.train SCRIPT BASE_ARGV ARGV` (slime's parse_args as
+    upstream_slime runs it), then the init hook it set on the args the script's train() received:
+    (the value of `dest` train() got, or the entry point's error; the init hook's error or None)."""
+    args, error = outcome(run_entry_point, script, BASE_ARGV + argv)
+    if error is not None:
+        return error, None
+    return getattr(args, dest), install_error(root, args, [], BASE_ARGV + argv)[1]
+
+
+def run_entry_point(script, argv):
+    """The args the entry script's train() received from `fusedrl.slime_ext.train.main`."""
+    import sys
+
+    from slime.utils import arguments
+
+    from fusedrl.slime_ext import train as entry
+
+    loaded = {}
+    load_script, parse_args, saved = entry.load_script, arguments.parse_args, list(sys.argv)
+    entry.load_script = lambda path: loaded.setdefault("script", load_script(path))
+    arguments.parse_args = upstream_slime.parse_args  # slime's, without Megatron's and SGLang's halves
+    try:
+        entry.main([script, *argv])
+    finally:
+        entry.load_script, arguments.parse_args, sys.argv[:] = load_script, parse_args, saved
+    return loaded["script"].CALLS.pop()
+
+
+def refusals(root, script, argv, environ, parse, hook_only):
+    """(the entry point's error, the init hook's error on the same flags parsed but unchecked, the
+    init hook's error under slime's own train.py (its parser alone; only with `hook_only`)), each
+    None when accepted; `environ` is added to the process environment meanwhile."""
+    saved = dict(os.environ)
+    os.environ.update(environ)
+    try:
+        entry_error = outcome(run_entry_point, script, BASE_ARGV + argv)[1]
+        hook_error = install_error(root, parse(argv)[0], [], BASE_ARGV + argv)[1]
+        plain = upstream_slime.parse_known_args(BASE_ARGV + argv + INIT_HOOK) if hook_only else None
+        plain_error = install_error(root, *plain, BASE_ARGV + argv + INIT_HOOK)[1] if hook_only else None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return entry_error, hook_error, plain_error
+
+
+def install_error(root, args, unknown, argv):
+    """`fusedrl.slime_ext.install(args)` in a process whose command line is `train.py ARGV`, as in
+    slime's train actor: (what slime's parser dropped, the hook's error or None); undone after."""
     import sys
 
     from fusedrl.slime_ext import patching
 
-    args, unknown = upstream_slime.parse_known_args(BASE_ARGV + HOOK_ONLY_ARGV)
-    saved, sys.argv = sys.argv, [os.path.join(root, "train.py"), *BASE_ARGV, *HOOK_ONLY_ARGV]
+    saved, sys.argv = sys.argv, [os.path.join(root, "train.py"), *argv]
     try:
         patching.install(args)
     except ValueError as error:
@@ -156,58 +275,87 @@ def hook_only_install_error(root):
 
 
 @pytest.fixture(scope="module")
-def observed():
-    return run_on_ranks(1, observe, flag_cases())[0]
+def observed(tmp_path_factory):
+    script = tmp_path_factory.mktemp("entry") / "train.py"
+    script.write_text("CALLS = []\n\n\ndef train(args):\n    CALLS.append(args)\n")
+    return run_on_ranks(1, observe, flag_cases(), str(script))[0]
 
 
 # ----------------------------------------------------------------------------- the tests
 
 
+@pytest.mark.parametrize("parser", PARSERS)
 @pytest.mark.parametrize("flag, values, dest, expected", flag_cases(), ids=lambda x: x if isinstance(x, str) else "")
-def test_every_fusedrl_flag_reaches_args_through_slimes_parser(observed, flag, values, dest, expected):
-    unknown, value = observed["flags"][flag, values]
+def test_every_fusedrl_flag_reaches_args_through_slimes_parser(observed, parser, flag, values, dest, expected):
+    unknown, value = observed[parser]["flags"][flag, values]
     assert unknown == [] and value == expected
 
 
-def test_fusedrl_flags_neither_shadow_nor_are_shadowed_by_slimes(observed):
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("flag, values, dest, expected", flag_cases(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_fusedrl_flag_through_the_entry_point_and_the_init_hook(observed, parser, flag, values, dest, expected):
+    """`python -m fusedrl.slime_ext.train` with the flag where it is read: the script's train()
+    gets it, and the init hook accepts the args it got."""
+    value, install_error = observed[parser]["entry"][flag, values]
+    assert (value, install_error) == (expected, None)
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_fusedrl_flags_neither_shadow_nor_are_shadowed_by_slimes(observed, parser):
     # Same option string: argparse refuses at registration (every parse would fail). Same
     # attribute under another option string: one of the two would be silently overwritten.
-    assert not {action.dest for action in fusedrl_actions()} & observed["slime_dests"]
+    assert observed[parser]["registered"] and not observed[parser]["registered"] & observed[parser]["slime_dests"]
 
 
-def test_plain_slime_parse_drops_fusedrl_flags(observed):
+def test_the_package_adopts_slimes_pg_loss_type_where_slime_defines_it(observed):
+    assert "pg_loss_type" in observed["624b824"]["registered"]
+    assert "pg_loss_type" not in observed["newer"]["registered"] and "pg_loss_type" in observed["newer"]["slime_dests"]
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_plain_slime_parse_drops_fusedrl_flags(observed, parser):
     """Why the package's entry point exists: slime's own train.py drops them without a word."""
-    assert observed["plain"] == (["--loss-aggregation", "prompt_mean", "--sfc-kl-beta", "0.1"], False, False)
+    assert observed[parser]["plain"] == (["--loss-aggregation", "prompt_mean", "--sfc-kl-beta", "0.1"], False, False)
 
 
-def test_slime_defaults_eps_clip_high_to_eps_clip(observed):
-    assert observed["eps_clip_high"] == 0.3
+@pytest.mark.parametrize("parser", PARSERS)
+def test_slime_defaults_eps_clip_high_to_eps_clip(observed, parser):
+    """The args slime validated (on the newer parser a copy, returned with the restore plan)."""
+    assert observed[parser]["eps_clip_high"] == 0.3
 
 
-def test_pg_loss_type_reinforce_is_a_registered_flag(observed):
-    assert observed["pg_loss_type"] == ([], "reinforce")
+@pytest.mark.parametrize("parser", PARSERS)
+def test_pg_loss_type_reinforce_is_a_registered_flag(observed, parser):
+    assert observed[parser]["pg_loss_type"] == ([], "reinforce")
 
 
+@pytest.mark.parametrize("parser", PARSERS)
 @pytest.mark.parametrize("config", list(CHECKED))
-def test_startup_checks_read_only_flags_slime_or_fusedrl_define(observed, config):
-    assert observed["undefined_reads"][config] == set()
+def test_startup_checks_read_only_flags_slime_or_fusedrl_define(observed, parser, config):
+    """On slime 624b824 the only others read are the newer slime's flags, each by capability
+    (absent: slime's default)."""
+    allowed = set() if parser == "newer" else {option[2:].replace("-", "_") for option in upstream_slime.NEWER_FLAGS}
+    assert observed[parser]["undefined_reads"][config] <= allowed
 
 
-def test_token_mean_turns_on_per_token_loss_within_slimes_parse(observed):
-    assert observed["token_mean_per_token"] is True
+@pytest.mark.parametrize("parser", PARSERS)
+def test_token_mean_turns_on_per_token_loss_within_slimes_parse(observed, parser):
+    assert observed[parser]["token_mean_per_token"] is True
 
 
+@pytest.mark.parametrize("parser", PARSERS)
 @pytest.mark.parametrize("setting", list(PROMPT_MEAN_BREAKERS))
-def test_prompt_mean_refuses_settings_that_break_its_denominators(observed, setting):
-    error = observed["prompt_mean_errors"][setting]
+def test_prompt_mean_refuses_settings_that_break_its_denominators(observed, parser, setting):
+    error = observed[parser]["prompt_mean_errors"][setting]
     assert error is not None and PROMPT_MEAN_BREAKERS[setting][1] in error, error
 
 
+@pytest.mark.parametrize("parser", PARSERS)
 @pytest.mark.parametrize("config", list(PROMPT_MEAN_STEPS))
-def test_prompt_mean_accepts_several_steps_per_rollout(observed, config):
+def test_prompt_mean_accepts_several_steps_per_rollout(observed, parser, config):
     """Steps of whole prompt groups are accepted (the rollout wrapper checks each rollout's groups);
     on slime's policy loss the loss type stays (slime's log-prob reuse) and the reducer is fusedrl's."""
-    error, loss_type, reducer, global_batch_size = observed["prompt_mean_steps"][config]
+    error, loss_type, reducer, global_batch_size = observed[parser]["prompt_mean_steps"][config]
     assert error is None and global_batch_size == 8 // int(config.split("-")[-1][0])
     if config.startswith("policy_loss"):
         assert (loss_type, reducer) == ("policy_loss", "fusedrl.slime_ext.aggregation.get_pg_loss_reducer")
@@ -215,10 +363,35 @@ def test_prompt_mean_accepts_several_steps_per_rollout(observed, config):
         assert (loss_type, reducer) == ("custom_loss", None)
 
 
-def test_init_hook_refuses_package_flags_slimes_own_train_py_dropped(observed):
+@pytest.mark.parametrize("parser", PARSERS)
+def test_init_hook_refuses_package_flags_slimes_own_train_py_dropped(observed, parser):
     """slime's train.py with only the init hook and --loss-aggregation prompt_mean: slime's parser
     drops the flag, and install refuses, naming it and the entry point that parses it."""
-    unknown, error = observed["hook_only"]
+    unknown, error = observed[parser]["hook_only"]
     assert unknown == ["--loss-aggregation", "prompt_mean"]
     assert error is not None and error.startswith("--loss-aggregation on the command line never reached slime's args")
     assert "python -m fusedrl.slime_ext.train path/to/slime/train.py" in error
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_init_hook_alone_accepts_slimes_defaults(observed, parser):
+    """slime's own train.py with the init hook and nothing else; on the newer slime its own
+    --pg-loss-type default (None) is no package flag set."""
+    assert observed[parser]["plain_install"] == ([], None)
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_slimes_newer_features_the_package_cannot_run_with_stop_at_startup(observed, case):
+    """Refused by the entry point's checks, by the init hook on the same flags left unchecked, and
+    (where no package flag is needed) by the init hook under slime's own train.py; each error
+    names both sides."""
+    entry_error, hook_error, plain_error = observed["newer"]["refused"][case]
+    names = REFUSED[case][2]
+    errors = [entry_error, hook_error] + ([plain_error] if case in REFUSED_HOOK_ONLY else [])
+    for error in errors:
+        assert error is not None and all(name in error for name in names), (error, names)
+
+
+@pytest.mark.parametrize("case", list(ACCEPTED))
+def test_slimes_newer_features_the_package_runs_with_pass_startup(observed, case):
+    assert observed["newer"]["accepted"][case] == (None, None, None)

@@ -30,7 +30,13 @@ slime picks its device through `slime.utils.accelerator` (CUDA or MUSA); `load()
 selects a CPU backend there, through slime's own `register_accelerator` / `set_accelerator`.
 
 `parse_known_args` stands in for `slime.utils.arguments.parse_args`, whose Megatron half needs
-`megatron.training`: it runs everything of slime's parse that does not (see its docstring).
+`megatron.training`: it runs everything of slime's parse that does not (see its docstring);
+`parse_args` is the same with slime's signature, for the package's entry point to call.
+
+`use_newer_flags()` stands in for a newer slime's parser (THUDM/slime at d88425a0, the branch of
+PR #2383, `slime/utils/arguments.py`): slime's own groups plus the flags that file defines and
+624b824 does not, each with that file's name, choices and default (`NEWER_FLAGS`), and its
+`slime_validate_args`, which validates a deep copy and returns `(args, restore_plan)`.
 
 Any other name of a stubbed package resolves to a placeholder class that raises when called or
 instantiated, naming the stub: a test that strays onto a stubbed path fails loudly, never quietly.
@@ -264,5 +270,59 @@ def parse_known_args(argv, add_custom_arguments=None):
             setattr(args, key, value)
     finally:
         sys.argv = saved
-    arguments.slime_validate_args(args)
+    validated = arguments.slime_validate_args(args)
+    if validated is not None:  # newer slime validates a copy and returns (args, restore_plan)
+        args, _restore_plan = validated
     return args, unknown
+
+
+def parse_args(add_custom_arguments=None):
+    """slime's `parse_args(add_custom_arguments)` as `parse_known_args` runs it, on `sys.argv[1:]`;
+    slime drops what its parser does not define."""
+    return parse_known_args(sys.argv[1:], add_custom_arguments)[0]
+
+
+# The flags of slime d88425a0's slime/utils/arguments.py that 624b824 lacks: option -> add_argument
+# keywords (name, choices and default as that file has them; help left out).
+NEWER_FLAGS = {
+    "--log-probs-backend": dict(choices=("torch", "triton"), default="torch"),  # add_train_arguments
+    "--flush-cache-interval": dict(type=int, default=1),  # add_rollout_arguments
+    "--pg-loss-type": dict(choices=["ppo", "reinforce"], default=None),  # add_algo_arguments
+    "--use-score-centering": dict(action="store_true"),
+    "--score-centering-top-k": dict(type=int, default=128),
+}
+
+
+def use_newer_flags() -> None:
+    """Make this process's `slime.utils.arguments` a newer slime's, as far as the package meets it:
+    its provider registers the custom arguments first and slime's groups after, these among them
+    (so a custom `--pg-loss-type` collides as on the newer slime), and `slime_validate_args`
+    returns `(args, restore_plan)` for a validated deep copy, leaving its argument untouched
+    (restore_plan: None, no checkpoint to restore). Call after `load()`, in a spawned worker."""
+    import copy
+
+    from slime.utils import arguments
+
+    if getattr(arguments, "NEWER_FLAGS", None) is NEWER_FLAGS:
+        return
+    provider, validate = arguments.get_slime_extra_args_provider, arguments.slime_validate_args
+
+    def get_slime_extra_args_provider(add_custom_arguments=None):
+        add_slime_arguments = provider(add_custom_arguments)
+
+        def add_newer_slime_arguments(parser):
+            parser = add_slime_arguments(parser)
+            for option, keywords in NEWER_FLAGS.items():
+                parser.add_argument(option, **keywords)
+            return parser
+
+        return add_newer_slime_arguments
+
+    def slime_validate_args(args):
+        args = copy.deepcopy(args)
+        validate(args)
+        return args, None
+
+    arguments.get_slime_extra_args_provider = get_slime_extra_args_provider
+    arguments.slime_validate_args = slime_validate_args
+    arguments.NEWER_FLAGS = NEWER_FLAGS
