@@ -46,8 +46,9 @@ def add_fusedrl_arguments(parser):
     clashes = sorted({option for action in scratch._actions for option in action.option_strings} & slime_options.defined_options())
     if clashes:
         raise ValueError(
-            f"the installed slime defines {', '.join(clashes)} itself, as fusedrl does: this fusedrl does not know "
-            "slime's meaning of it, so it cannot register its own; use a fusedrl release that knows this slime"
+            f"the installed slime defines {', '.join(clashes)} itself, as fusedrl does: this fusedrl predates slime's "
+            "definition and cannot know its meaning, so it neither registers its own nor reads slime's; use a fusedrl "
+            "that knows this slime's flag, or a slime without it"
         )
     for feature in FEATURES:
         feature.add_arguments(parser)

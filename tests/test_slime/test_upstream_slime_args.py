@@ -140,17 +140,30 @@ class ReadRecorder(argparse.Namespace):
         return object.__getattribute__(self, name)
 
 
+FAILED = "observation failed:\n"  # prefix of an observation's traceback in the worker's answer
+
+
 def observe(rank, world_size, cases, script):
     """Every parse the tests check, on slime 624b824's parser and then on the newer one, in a
-    process that imports slime: {parser: a dict of plain values}."""
+    process that imports slime: {parser: {observation: plain values, or FAILED + its traceback}}."""
+    import traceback
+
     root = upstream_slime.load()
-    out = {"624b824": observe_parser(root, cases, script)}
-    upstream_slime.use_newer_flags()
-    out["newer"] = observe_parser(root, cases, script)
+    out = {}
+    for parser in PARSERS:
+        if parser == "newer":
+            upstream_slime.use_newer_flags()
+        out[parser] = {}
+        for name, observation in observations(root, cases, script).items():
+            try:
+                out[parser][name] = observation()
+            except Exception:  # reported by the tests that read this observation
+                out[parser][name] = FAILED + traceback.format_exc()
     return out
 
 
-def observe_parser(root, cases, script):
+def observations(root, cases, script):
+    """{name: a function observing it} on the parser this process's slime builds."""
     from slime.utils import arguments
 
     from fusedrl.slime_ext import train as entry
@@ -165,41 +178,60 @@ def observe_parser(root, cases, script):
             return str(error)
         return None
 
-    plain, _ = parse([], with_fusedrl=False)
-    slime_dests = set(vars(plain)) | set(vars(arguments._pre_parse_mode()))
-    registered = {action.dest for action in fusedrl_actions()}  # what the package registers on this slime
-    out = {"slime_dests": slime_dests, "registered": registered, "flags": {}, "undefined_reads": {}, "prompt_mean_errors": {}}
-    for flag, values, dest, _ in cases:
-        args, unknown = parse([flag, *values])
-        out["flags"][flag, values] = (unknown, getattr(args, dest))
-    args, unknown = parse(["--loss-aggregation", "prompt_mean", "--sfc-kl-beta", "0.1"], with_fusedrl=False)
-    out["plain"] = (unknown, hasattr(args, "loss_aggregation"), hasattr(args, "sfc_kl_beta"))
-    out["eps_clip_high"] = parse(POLICY_LOSS + ["--eps-clip", "0.3"])[0].eps_clip_high
-    args, unknown = parse(POLICY_LOSS + ["--pg-loss-type", "reinforce"])
-    out["pg_loss_type"] = (unknown, getattr(args, "pg_loss_type", None))
-    for name, argv in CHECKED.items():
-        recorder = ReadRecorder(parse(argv)[0])
-        entry.validate(recorder)
-        out["undefined_reads"][name] = recorder._reads - slime_dests - registered
-    out["token_mean_per_token"] = parse(["--loss-aggregation", "token_mean"])[0].calculate_per_token_loss
-    for name, (extra, _) in PROMPT_MEAN_BREAKERS.items():
-        out["prompt_mean_errors"][name] = validate_error(parse(POLICY_LOSS + ["--loss-aggregation", "prompt_mean", *extra])[0])
-    out["prompt_mean_steps"] = {}
-    for name, argv in PROMPT_MEAN_STEPS.items():
-        args = parse(argv)[0]
-        out["prompt_mean_steps"][name] = (validate_error(args), args.loss_type, args.custom_pg_loss_reducer_function_path,
-                                          args.global_batch_size)  # fmt: skip
-    out["hook_only"] = install_error(root, *upstream_slime.parse_known_args(BASE_ARGV + HOOK_ONLY_ARGV), HOOK_ONLY_ARGV)
-    out["plain_install"] = install_error(root, plain, [], INIT_HOOK)
-    out["entry"] = {(flag, values): through_entry_point(root, script, FLAG_CONTEXTS[flag] + [flag, *values], dest)
-                    for flag, values, dest, _ in cases}  # fmt: skip
-    out["refused"], out["accepted"] = {}, {}
-    if "use_score_centering" in slime_dests:  # the newer parser
-        for name, (argv, environ, _) in REFUSED.items():
-            out["refused"][name] = refusals(root, script, argv, environ, parse, hook_only=name in REFUSED_HOOK_ONLY)
-        for name, argv in ACCEPTED.items():
-            out["accepted"][name] = refusals(root, script, argv, {}, parse, hook_only=False)
-    return out
+    def slime_dests():
+        return set(vars(parse([], with_fusedrl=False)[0])) | set(vars(arguments._pre_parse_mode()))
+
+    def parsed_value(argv, dest):
+        args, unknown = parse(argv)
+        return unknown, getattr(args, dest, None)
+
+    def plain():
+        args, unknown = parse(["--loss-aggregation", "prompt_mean", "--sfc-kl-beta", "0.1"], with_fusedrl=False)
+        return unknown, hasattr(args, "loss_aggregation"), hasattr(args, "sfc_kl_beta")
+
+    def undefined_reads():
+        defined = slime_dests() | {action.dest for action in fusedrl_actions()}
+        reads = {}
+        for name, argv in CHECKED.items():
+            recorder = ReadRecorder(parse(argv)[0])
+            entry.validate(recorder)
+            reads[name] = recorder._reads - defined
+        return reads
+
+    def prompt_mean_steps():
+        steps = {}
+        for name, argv in PROMPT_MEAN_STEPS.items():
+            args = parse(argv)[0]
+            steps[name] = (validate_error(args), args.loss_type, args.custom_pg_loss_reducer_function_path,
+                           args.global_batch_size)  # fmt: skip
+        return steps
+
+    def newer_features(cases, environ_of, hook_only):
+        if "use_score_centering" not in slime_dests():  # slime 624b824: none of them
+            return {}
+        return {name: refusals(root, script, argv, environ_of(name), parse, hook_only=name in hook_only) for name, argv in cases.items()}
+
+    return {
+        "slime_dests": slime_dests,
+        "registered": lambda: {action.dest for action in fusedrl_actions()},  # what the package registers on this slime
+        "flags": lambda: {(flag, values): parsed_value([flag, *values], dest) for flag, values, dest, _ in cases},
+        "plain": plain,
+        "eps_clip_high": lambda: parse(POLICY_LOSS + ["--eps-clip", "0.3"])[0].eps_clip_high,
+        "pg_loss_type": lambda: parsed_value(POLICY_LOSS + ["--pg-loss-type", "reinforce"], "pg_loss_type"),
+        "undefined_reads": undefined_reads,
+        "token_mean_per_token": lambda: parse(["--loss-aggregation", "token_mean"])[0].calculate_per_token_loss,
+        "prompt_mean_errors": lambda: {
+            name: validate_error(parse(POLICY_LOSS + ["--loss-aggregation", "prompt_mean", *extra])[0])
+            for name, (extra, _) in PROMPT_MEAN_BREAKERS.items()},
+        "prompt_mean_steps": prompt_mean_steps,
+        "hook_only": lambda: install_error(root, *upstream_slime.parse_known_args(BASE_ARGV + HOOK_ONLY_ARGV), HOOK_ONLY_ARGV),
+        "plain_install": lambda: install_error(root, parse([], with_fusedrl=False)[0], [], INIT_HOOK),
+        "entry": lambda: {(flag, values): through_entry_point(root, script, FLAG_CONTEXTS[flag] + [flag, *values], dest)
+                          for flag, values, dest, _ in cases},
+        "refused": lambda: newer_features({name: argv for name, (argv, _, _) in REFUSED.items()},
+                                          lambda name: REFUSED[name][1], REFUSED_HOOK_ONLY),
+        "accepted": lambda: newer_features(ACCEPTED, lambda name: {}, ()),
+    }  # fmt: skip
 
 
 def outcome(call, *args):
@@ -281,81 +313,97 @@ def observed(tmp_path_factory):
     return run_on_ranks(1, observe, flag_cases(), str(script))[0]
 
 
+class Observed(dict):
+    """One parser's observations; reading one the worker failed to make fails the test with its traceback."""
+
+    def __getitem__(self, name):
+        value = super().__getitem__(name)
+        if isinstance(value, str) and value.startswith(FAILED):
+            pytest.fail(f"{name}: {value}")
+        return value
+
+
+@pytest.fixture
+def on(observed, parser):
+    """What the worker observed on `parser`."""
+    return Observed(observed[parser])
+
+
 # ----------------------------------------------------------------------------- the tests
 
 
 @pytest.mark.parametrize("parser", PARSERS)
 @pytest.mark.parametrize("flag, values, dest, expected", flag_cases(), ids=lambda x: x if isinstance(x, str) else "")
-def test_every_fusedrl_flag_reaches_args_through_slimes_parser(observed, parser, flag, values, dest, expected):
-    unknown, value = observed[parser]["flags"][flag, values]
+def test_every_fusedrl_flag_reaches_args_through_slimes_parser(on, flag, values, dest, expected):
+    unknown, value = on["flags"][flag, values]
     assert unknown == [] and value == expected
 
 
 @pytest.mark.parametrize("parser", PARSERS)
 @pytest.mark.parametrize("flag, values, dest, expected", flag_cases(), ids=lambda x: x if isinstance(x, str) else "")
-def test_every_fusedrl_flag_through_the_entry_point_and_the_init_hook(observed, parser, flag, values, dest, expected):
+def test_every_fusedrl_flag_through_the_entry_point_and_the_init_hook(on, flag, values, dest, expected):
     """`python -m fusedrl.slime_ext.train` with the flag where it is read: the script's train()
     gets it, and the init hook accepts the args it got."""
-    value, install_error = observed[parser]["entry"][flag, values]
+    value, install_error = on["entry"][flag, values]
     assert (value, install_error) == (expected, None)
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-def test_fusedrl_flags_neither_shadow_nor_are_shadowed_by_slimes(observed, parser):
+def test_fusedrl_flags_neither_shadow_nor_are_shadowed_by_slimes(on):
     # Same option string: argparse refuses at registration (every parse would fail). Same
     # attribute under another option string: one of the two would be silently overwritten.
-    assert observed[parser]["registered"] and not observed[parser]["registered"] & observed[parser]["slime_dests"]
-
-
-def test_the_package_adopts_slimes_pg_loss_type_where_slime_defines_it(observed):
-    assert "pg_loss_type" in observed["624b824"]["registered"]
-    assert "pg_loss_type" not in observed["newer"]["registered"] and "pg_loss_type" in observed["newer"]["slime_dests"]
+    assert on["registered"] and not on["registered"] & on["slime_dests"]
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-def test_plain_slime_parse_drops_fusedrl_flags(observed, parser):
+def test_the_package_adopts_slimes_pg_loss_type_where_slime_defines_it(on, parser):
+    assert ("pg_loss_type" in on["registered"]) == (parser == "624b824") and "pg_loss_type" in on["registered"] | on["slime_dests"]
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_plain_slime_parse_drops_fusedrl_flags(on):
     """Why the package's entry point exists: slime's own train.py drops them without a word."""
-    assert observed[parser]["plain"] == (["--loss-aggregation", "prompt_mean", "--sfc-kl-beta", "0.1"], False, False)
+    assert on["plain"] == (["--loss-aggregation", "prompt_mean", "--sfc-kl-beta", "0.1"], False, False)
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-def test_slime_defaults_eps_clip_high_to_eps_clip(observed, parser):
+def test_slime_defaults_eps_clip_high_to_eps_clip(on):
     """The args slime validated (on the newer parser a copy, returned with the restore plan)."""
-    assert observed[parser]["eps_clip_high"] == 0.3
+    assert on["eps_clip_high"] == 0.3
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-def test_pg_loss_type_reinforce_is_a_registered_flag(observed, parser):
-    assert observed[parser]["pg_loss_type"] == ([], "reinforce")
+def test_pg_loss_type_reinforce_is_a_registered_flag(on):
+    assert on["pg_loss_type"] == ([], "reinforce")
 
 
 @pytest.mark.parametrize("parser", PARSERS)
 @pytest.mark.parametrize("config", list(CHECKED))
-def test_startup_checks_read_only_flags_slime_or_fusedrl_define(observed, parser, config):
+def test_startup_checks_read_only_flags_slime_or_fusedrl_define(on, parser, config):
     """On slime 624b824 the only others read are the newer slime's flags, each by capability
     (absent: slime's default)."""
     allowed = set() if parser == "newer" else {option[2:].replace("-", "_") for option in upstream_slime.NEWER_FLAGS}
-    assert observed[parser]["undefined_reads"][config] <= allowed
+    assert on["undefined_reads"][config] <= allowed
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-def test_token_mean_turns_on_per_token_loss_within_slimes_parse(observed, parser):
-    assert observed[parser]["token_mean_per_token"] is True
+def test_token_mean_turns_on_per_token_loss_within_slimes_parse(on):
+    assert on["token_mean_per_token"] is True
 
 
 @pytest.mark.parametrize("parser", PARSERS)
 @pytest.mark.parametrize("setting", list(PROMPT_MEAN_BREAKERS))
-def test_prompt_mean_refuses_settings_that_break_its_denominators(observed, parser, setting):
-    error = observed[parser]["prompt_mean_errors"][setting]
+def test_prompt_mean_refuses_settings_that_break_its_denominators(on, setting):
+    error = on["prompt_mean_errors"][setting]
     assert error is not None and PROMPT_MEAN_BREAKERS[setting][1] in error, error
 
 
 @pytest.mark.parametrize("parser", PARSERS)
 @pytest.mark.parametrize("config", list(PROMPT_MEAN_STEPS))
-def test_prompt_mean_accepts_several_steps_per_rollout(observed, parser, config):
+def test_prompt_mean_accepts_several_steps_per_rollout(on, config):
     """Steps of whole prompt groups are accepted (the rollout wrapper checks each rollout's groups);
     on slime's policy loss the loss type stays (slime's log-prob reuse) and the reducer is fusedrl's."""
-    error, loss_type, reducer, global_batch_size = observed[parser]["prompt_mean_steps"][config]
+    error, loss_type, reducer, global_batch_size = on["prompt_mean_steps"][config]
     assert error is None and global_batch_size == 8 // int(config.split("-")[-1][0])
     if config.startswith("policy_loss"):
         assert (loss_type, reducer) == ("policy_loss", "fusedrl.slime_ext.aggregation.get_pg_loss_reducer")
@@ -364,34 +412,36 @@ def test_prompt_mean_accepts_several_steps_per_rollout(observed, parser, config)
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-def test_init_hook_refuses_package_flags_slimes_own_train_py_dropped(observed, parser):
+def test_init_hook_refuses_package_flags_slimes_own_train_py_dropped(on):
     """slime's train.py with only the init hook and --loss-aggregation prompt_mean: slime's parser
     drops the flag, and install refuses, naming it and the entry point that parses it."""
-    unknown, error = observed[parser]["hook_only"]
+    unknown, error = on["hook_only"]
     assert unknown == ["--loss-aggregation", "prompt_mean"]
     assert error is not None and error.startswith("--loss-aggregation on the command line never reached slime's args")
     assert "python -m fusedrl.slime_ext.train path/to/slime/train.py" in error
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-def test_init_hook_alone_accepts_slimes_defaults(observed, parser):
+def test_init_hook_alone_accepts_slimes_defaults(on):
     """slime's own train.py with the init hook and nothing else; on the newer slime its own
     --pg-loss-type default (None) is no package flag set."""
-    assert observed[parser]["plain_install"] == ([], None)
+    assert on["plain_install"] == ([], None)
 
 
+@pytest.mark.parametrize("parser", ["newer"])
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_slimes_newer_features_the_package_cannot_run_with_stop_at_startup(observed, case):
+def test_slimes_newer_features_the_package_cannot_run_with_stop_at_startup(on, case):
     """Refused by the entry point's checks, by the init hook on the same flags left unchecked, and
     (where no package flag is needed) by the init hook under slime's own train.py; each error
     names both sides."""
-    entry_error, hook_error, plain_error = observed["newer"]["refused"][case]
+    entry_error, hook_error, plain_error = on["refused"][case]
     names = REFUSED[case][2]
     errors = [entry_error, hook_error] + ([plain_error] if case in REFUSED_HOOK_ONLY else [])
     for error in errors:
         assert error is not None and all(name in error for name in names), (error, names)
 
 
+@pytest.mark.parametrize("parser", ["newer"])
 @pytest.mark.parametrize("case", list(ACCEPTED))
-def test_slimes_newer_features_the_package_runs_with_pass_startup(observed, case):
-    assert observed["newer"]["accepted"][case] == (None, None, None)
+def test_slimes_newer_features_the_package_runs_with_pass_startup(on, case):
+    assert on["accepted"][case] == (None, None, None)
