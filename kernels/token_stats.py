@@ -43,6 +43,8 @@ LN2 = 0.6931471805599453  # back to natural units, once per row on the host
 # not 0 * -inf = NaN; FLOOR is far enough from fp32's limit that coefficients up to 1e20 keep the
 # factor finite, and far below any logit whose probability is not 0 anyway.
 FLOOR = tl.constexpr(-1e18)
+# Id pairs the backward's repeated-id sums compare at once: a [J_BLOCK, chunk] tile (`id_chunk`).
+ID_PAIRS = 1024
 
 
 class _Tile(NamedTuple):
@@ -84,6 +86,14 @@ def tile_for(vocab_local: int, element_size: int) -> _Tile:
     while num_warps > 1 and slots_per_thread * 32 * num_warps * vec > 2 * triton.next_power_of_2(vocab_local):
         num_warps //= 2
     return _Tile(slots_per_thread, 32 * num_warps, vec, num_warps)
+
+
+def id_chunk(id_block: int) -> int:
+    """Slots each id of a row is compared with at once in the backward's repeated-id sums: a
+    [id_block, chunk] tile of at most ID_PAIRS pairs (4 per thread at 8 warps). All of them up to
+    J = 32; J = 129 (a top-128 head) in 33 chunks of 4, at the registers of J = 1, where one [256,
+    256] tile took 255 registers and spilled (`python -m bench --static`)."""
+    return max(1, min(id_block, ID_PAIRS // id_block))
 
 
 def kernel_scale(temperature: float) -> float:
@@ -252,10 +262,13 @@ def _token_stats_bwd_kernel(
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
     J_BLOCK: tl.constexpr,
+    ID_CHUNK: tl.constexpr,
 ):
     """One program per logits row: streams the softmax term over the whole row (zeros for
     unselected rows), then overwrites the <= J id columns with softmax term + one-hot
-    coefficients, each rounded once. The ids stay out of the streamed loop."""
+    coefficients, each rounded once. The ids stay out of the streamed loop; repeated ids are
+    matched against ID_CHUNK slots at a time, so J = 129 (a top-128 head) costs ceil(J / ID_CHUNK)
+    [J_BLOCK, ID_CHUNK] tiles, not one [J_BLOCK, J_BLOCK] tile."""
     row = tl.program_id(0).to(tl.int64)
     if HAS_ROWS:
         slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -293,9 +306,15 @@ def _token_stats_bwd_kernel(
     global_ids = tl.load(ids_ptr + safe_slot * J + id_slots, mask=slot_ok, other=-1)
     local_ids = (global_ids - vocab_start).to(tl.int32)
     owned = slot_ok & (local_ids >= 0) & (local_ids < vocab_local)
-    coefs = tl.load(scatter_coef_ptr + safe_slot * J + id_slots, mask=slot_ok, other=0.0)
-    same_id = global_ids[:, None] == global_ids[None, :]
-    id_grad = tl.sum(tl.where(same_id, coefs[None, :], 0.0), axis=1) * inv_temperature
+    id_grad = tl.zeros([J_BLOCK], tl.float32)
+    for first in range(0, J, ID_CHUNK):
+        others = first + tl.arange(0, ID_CHUNK)
+        other_ok = others < tl.where(selected, J, 0)
+        other_ids = tl.load(ids_ptr + safe_slot * J + others, mask=other_ok, other=-1)
+        coefs = tl.load(scatter_coef_ptr + safe_slot * J + others, mask=other_ok, other=0.0)
+        same_id = global_ids[:, None] == other_ids[None, :]
+        id_grad += tl.sum(tl.where(same_id, coefs[None, :], 0.0), axis=1)
+    id_grad = id_grad * inv_temperature
     if needs_softmax:
         x_ids = tl.load(row_ptr + local_ids, mask=owned, other=float("-inf")).to(tl.float32)
         id_grad += _softmax_term(x_ids, row_max, scale, log2_sum, k1, k2, WITH_ENTROPY)
@@ -448,6 +467,7 @@ def logits_grad(
         VEC=tile.vec,
         BLOCK=tile.block,
         J_BLOCK=triton.next_power_of_2(ids.shape[1]),
+        ID_CHUNK=id_chunk(triton.next_power_of_2(ids.shape[1])),
         num_warps=tile.num_warps,
     )
     return grad_out

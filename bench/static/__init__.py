@@ -13,6 +13,7 @@ with: layouts, and so the counts, differ between versions.
 
 import collections
 import csv
+import itertools
 import json
 import os
 import subprocess
@@ -36,6 +37,7 @@ SHARED_PER_SM = 228 * 1024
 SHARED_RESERVED_PER_CTA = 1024
 
 TOKENS, VOCAB_LOCAL = 16384, 151936  # a 16k-token micro-batch of Qwen's vocabulary at tp = 1
+SCORE_CENTERING_IDS = 129  # slime's --score-centering-top-k 128 head plus the sampled token
 SEGMENT_TOKENS = 16384
 COMPILE_TIMEOUT_S = 1200
 STDERR_TAIL_LINES = 60
@@ -47,18 +49,26 @@ class Launch(NamedTuple):
     kwargs: dict
 
 
+def token_stats_launch(phase: str, dtype: str, ids_per_row: int, entropy: bool, rows: bool) -> Launch:
+    """One token_stats kernel variant at production shape."""
+    label = f"token_stats {phase} {dtype} J={ids_per_row}" + " entropy" * entropy + " rows" * rows
+    kwargs = dict(dtype=dtype, ids_per_row=ids_per_row, entropy=entropy, rows=rows, tokens=TOKENS, vocab=VOCAB_LOCAL)
+    return Launch(label, f"bench.static.launches:token_stats_{phase}", kwargs)
+
+
 def shipped_launches() -> list:
-    """Every variant the wrappers can launch, at production shape."""
-    launches = []
-    for phase in ("forward", "backward"):
-        for dtype in ("fp32", "bf16", "fp16"):
-            for ids_per_row in (1, 9):
-                for entropy in (False, True):
-                    for rows in (False, True):
-                        label = f"token_stats {phase} {dtype} J={ids_per_row}" + " entropy" * entropy + " rows" * rows
-                        kwargs = dict(dtype=dtype, ids_per_row=ids_per_row, entropy=entropy, rows=rows,
-                                      tokens=TOKENS, vocab=VOCAB_LOCAL)  # fmt: skip
-                        launches.append(Launch(label, f"bench.static.launches:token_stats_{phase}", kwargs))
+    """Every variant the wrappers can launch, at production shape: J = 1 (the sampled token) and
+    9 (8 centering draws) for every switch, and J = 129 (slime's score centering: the sampled token
+    and a top-128 head) on the response rows of fp32 and bf16 logits."""
+    switches = list(itertools.product((False, True), (False, True)))  # (entropy, rows)
+    launches = [
+        token_stats_launch(phase, dtype, ids_per_row, entropy, rows)
+        for phase in ("forward", "backward") for dtype in ("fp32", "bf16", "fp16") for ids_per_row in (1, 9)
+        for entropy, rows in switches
+    ] + [
+        token_stats_launch(phase, dtype, SCORE_CENTERING_IDS, entropy, True)
+        for phase in ("forward", "backward") for dtype in ("fp32", "bf16") for entropy in (False, True)
+    ]  # fmt: skip
     for phase in ("forward", "backward"):
         for dtype in ("fp32", "bf16"):
             for channels in (1, 8):
@@ -170,6 +180,7 @@ def cost(record: dict) -> dict:
         bytes_per_element=bytes_per_element,
         **bounds,
         ceiling_over_copy=bounds["ceiling_tbps"] / COPY_TBPS,
+        loop_instructions=";".join(map(str, record["loop_sizes"])),  # per trip of each loop, in address order
     )
 
 

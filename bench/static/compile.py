@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from .sass import count_main_loop, parse_resources, parse_sass
+from .sass import count_main_loop, loop_sizes, parse_resources, parse_sass
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -64,7 +64,8 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
 def _record(label, name, num_warps, constexprs, stream_bits, kernel) -> dict:
     cubin = kernel.asm["cubin"]
     resources = parse_resources(_cuobjdump(cubin, "-res-usage"))
-    counts = count_main_loop(parse_sass(_cuobjdump(cubin, "-sass")))
+    instructions = parse_sass(_cuobjdump(cubin, "-sass"))
+    counts = count_main_loop(instructions)
     blocks = [int(value) for key, value in constexprs.items() if key.startswith("BLOCK")]
     if not blocks:
         raise ValueError(f"{name}: no BLOCK* constexpr, so the elements one trip streams are unknown")
@@ -79,6 +80,7 @@ def _record(label, name, num_warps, constexprs, stream_bits, kernel) -> dict:
         dynamic_shared=int(kernel.metadata.shared),
         resources=resources._asdict(),
         loop=counts._asdict(),
+        loop_sizes=loop_sizes(instructions),
     )
 
 

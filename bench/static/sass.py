@@ -2,8 +2,8 @@
 
 Pure text functions over `cuobjdump -sass` and `cuobjdump -res-usage` output, so the cost model's
 counting can be tested on hand-written kernels without a GPU. A loop is the address range of a
-backward branch; the main loop is the widest one that touches global memory (inner loops inside it
-are counted once per trip, as written). The compiler may unroll the main loop, so one trip
+backward branch; the main loop is the one whose global accesses are the widest, the longest of
+those if several (inner loops inside it are counted once per trip, as written). The compiler may unroll the main loop, so one trip
 through the SASS loop can cover several trips of the source loop; the cost model tells them apart
 by the widest loads (bench/static/__init__.py). Widths come from the opcode suffix (LDG.E.128 = 128 bits,
 LDG.E = 32, LDG.E.U16 = 16).
@@ -72,19 +72,30 @@ def loops(instructions) -> list:
     return found
 
 
+def loop_sizes(instructions) -> list:
+    """Instructions of one trip through each loop, in address order (nested loops counted once,
+    as written): with a loop's trip count, what a kernel issues beside its main loop."""
+    return [sum(first <= i.address <= last for i in instructions) for first, last in sorted(loops(instructions))]
+
+
 def access_bits(opcode: str) -> int:
     """Bits moved by one LDG/STG (32 unless the opcode says otherwise)."""
     return max([_WIDTHS[part] for part in opcode.split(".")[1:] if part in _WIDTHS], default=32)
 
 
 def main_loop(instructions) -> Optional[tuple]:
-    """The widest loop holding a global load or store, or None."""
-    touching = [
-        (first, last)
-        for first, last in loops(instructions)
-        if any(first <= i.address <= last and i.opcode.startswith(("LDG", "STG")) for i in instructions)
-    ]
-    return max(touching, key=lambda span: span[1] - span[0], default=None)
+    """The loop streaming the kernel's widest global accesses (the longest such loop), or None.
+
+    Width first: a kernel can hold a longer loop over narrower accesses beside its streamed loop
+    (the token-statistics backward matches repeated ids in chunks before it streams the row)."""
+
+    def widest_access(span):
+        first, last = span
+        accesses = [i for i in instructions if first <= i.address <= last and i.opcode.startswith(("LDG", "STG"))]
+        return max((access_bits(i.opcode) for i in accesses), default=0)
+
+    touching = [span for span in loops(instructions) if widest_access(span)]
+    return max(touching, key=lambda span: (widest_access(span), span[1] - span[0]), default=None)
 
 
 def count_main_loop(instructions) -> LoopCounts:

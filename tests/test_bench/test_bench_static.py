@@ -9,7 +9,7 @@ from sm90 import Launch, compile_for_hopper
 
 from bench.static import COPY_TBPS, ceilings, ctas_per_sm, table
 from bench.static.join import beside_measured
-from bench.static.sass import access_bits, count_main_loop, loops, parse_resources, parse_sass
+from bench.static.sass import access_bits, count_main_loop, loop_sizes, loops, parse_resources, parse_sass
 
 HERE = Path(__file__).resolve().parent  # static_kernels.py, the hand-written kernels
 
@@ -40,6 +40,30 @@ def test_sass_snippet_counts():
     assert parse_resources(" REG:40 STACK:8 SHARED:16 LOCAL:4 CONSTANT[0]:600") == (40, 8, 16, 4)
     with pytest.raises(ValueError, match="REG"):
         parse_resources("garbage")
+
+
+# A longer loop of 64-bit loads (the backward's repeated-id matching) before the streamed loop of
+# 128-bit loads and stores: the main loop is the streamed one.
+TWO_LOOPS = """
+        /*0000*/                   LDG.E.64 R2, desc[UR4][R8.64] ;            /* 0x0 */
+        /*0010*/                   ISETP.NE.AND P0, PT, R2, R3, PT ;          /* 0x0 */
+        /*0020*/                   FSEL R4, R5, RZ, !P0 ;                     /* 0x0 */
+        /*0030*/                   SHFL.BFLY PT, R6, R4, 0x1, 0x1f ;          /* 0x0 */
+        /*0040*/                   FADD R7, R7, R6 ;                          /* 0x0 */
+        /*0050*/               @P1 BRA 0x0 ;                                  /* 0x0 */
+        /*0060*/                   LDG.E.128 R12, desc[UR4][R10.64] ;         /* 0x0 */
+        /*0070*/                   STG.E.128 desc[UR4][R14.64], R12 ;         /* 0x0 */
+        /*0080*/               @P2 BRA 0x60 ;                                 /* 0x0 */
+        /*0090*/                   EXIT ;                                     /* 0x0 */
+"""
+
+
+def test_the_main_loop_is_the_one_streaming_the_widest_accesses():
+    instructions = parse_sass(TWO_LOOPS)
+    assert loops(instructions) == [(0x0, 0x50), (0x60, 0x80)]
+    counts = count_main_loop(instructions)
+    assert (counts.instructions, counts.shuffles, counts.widest_load, counts.widest_store) == (3, 0, 128, 128)
+    assert loop_sizes(instructions) == [6, 3]
 
 
 def test_occupancy_from_registers_warps_and_shared_memory():

@@ -1,7 +1,7 @@
 """Parity of the fused token-statistics kernel with the float64 eager reference (tp = 1).
 
 Shapes are chosen to break things: V = 1, a prime V below the block, V just above the block
-(4099 > 4096), J = 9 with repeated ids and ids equal to the sampled token, selected rows, masked
+(4099 > 4096), J = 9, 33 and 129 with repeated ids and ids equal to the sampled token, selected rows, masked
 rows full of NaN that must never be read. Every kernel call runs on the `device` fixture's device;
 the float64 truth is computed on CPU.
 """
@@ -33,6 +33,7 @@ CASES = [
     (4099, 1, 0.7, False),
     (9001, 9, 0.7, True),
     (9001, 33, 1.0, False),  # a top-p replay support: many ids spread over several blocks
+    (4099, 129, 0.7, True),  # slime's score centering: the sampled token and a top-128 head; repeats across id chunks
 ]
 
 
