@@ -167,9 +167,11 @@ def _token_stats_fwd_kernel(
     SLOTS: tl.constexpr,
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
+    J_BLOCK: tl.constexpr,
 ):
     """One program per selected row: per-slot online max / exp-sum / centered sum, one combine
-    over the slots after the loop, then the J gathers.
+    over the slots after the loop, then the J gathers, as one vector load (a loop of J scalar
+    loads issued 23 instructions and two dependent loads per id: 3k per thread at J = 129).
 
     Partials: the row max m of the raw logits; s = sum 2^((x - m) scale); u = sum 2^((x - m) scale)
     (x - m) scale (log2 units); then the J raw logits at the ids (0 where another rank owns the id).
@@ -206,10 +208,11 @@ def _token_stats_fwd_kernel(
         tl.store(out + 2, tl.sum(centered_sum, axis=0))
     else:
         tl.store(out + 2, 0.0)
-    for j in range(J):
-        local_id = tl.load(ids_ptr + pid * J + j) - vocab_start
-        owned = (local_id >= 0) & (local_id < vocab_local)
-        tl.store(out + 3 + j, tl.load(row_ptr + local_id, mask=owned, other=0.0).to(tl.float32))
+    id_slots = tl.arange(0, J_BLOCK)
+    slot_ok = id_slots < J
+    local_ids = tl.load(ids_ptr + pid * J + id_slots, mask=slot_ok, other=-1) - vocab_start
+    owned = slot_ok & (local_ids >= 0) & (local_ids < vocab_local)
+    tl.store(out + 3 + id_slots, tl.load(row_ptr + local_ids, mask=owned, other=0.0).to(tl.float32), mask=slot_ok)
 
 
 @triton.jit
@@ -366,6 +369,7 @@ def row_partials(logits_2d, ids, rows, vocab_start, temperature, with_entropy) -
         SLOTS=tile.slots,
         VEC=tile.vec,
         BLOCK=tile.block,
+        J_BLOCK=triton.next_power_of_2(num_ids),
         num_warps=tile.num_warps,
     )
     return partials
