@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"vocabulary columns per tensor-parallel rank, >= 1 ({grid_default('vocabs')})")
     parser.add_argument("--dtype", nargs="+", choices=tuple(DTYPES), help=f"logits dtypes ({grid_default('dtypes')})")
     parser.add_argument("--ids-per-row", "-J", type=_positive_int, nargs="+", metavar="J",
-                        help="ids per row, >= 1: the sampled token plus J - 1 centering draws "
-                             "(default: 1, and 9 at the largest fp32 shape)")
+                        help="ids per row, >= 1: the sampled token plus J - 1 centering draws, or a top-k head "
+                             "(129: slime's score centering; default: 1, and 9 at the largest fp32 shape)")
     parser.add_argument("--entropy", choices=("on", "off", "both"),
                         help="compute the entropy too (default: off, and on at the largest fp32 shape)")
     parser.add_argument("--temperature", type=_positive_float, default=1.0, metavar="TEMP",
