@@ -43,7 +43,8 @@ def add_fusedrl_arguments(parser):
     scratch = argparse.ArgumentParser(add_help=False)
     for feature in FEATURES:
         feature.add_arguments(scratch)
-    clashes = sorted({option for action in scratch._actions for option in action.option_strings} & slime_options.defined_options())
+    options = {option for action in scratch._actions for option in action.option_strings}
+    clashes = sorted(options & slime_options.defined_options())
     if clashes:
         raise ValueError(
             f"the installed slime defines {', '.join(clashes)} itself, as fusedrl does: this fusedrl predates slime's "

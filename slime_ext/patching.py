@@ -26,8 +26,9 @@ replaces, in every loaded module that holds them (the defining module and every 
 Before patching, `install` refuses (ValueError naming them and the entry point) the package's
 flags that are on its process's command line but not on slime's args: slime's own entry script
 dropped them; and slime's own features its patches cannot run with (`flags/slime_features.py`:
-`--log-probs-backend triton`, ...), also for args that carry none of the package's flags. When the run was started through `fusedrl.slime_ext.train` and another init hook was
-given, the entry point moved it to `args.fusedrl_user_init_path`; `install` calls it after patching.
+`--log-probs-backend triton`, ...), also for args that carry none of the package's flags. When
+the run was started through `fusedrl.slime_ext.train` and another init hook was given, the entry
+point moved it to `args.fusedrl_user_init_path`; `install` calls it after patching.
 
 Modules imported later pick up the replacement from the (already patched) defining module.
 Installing again is harmless and also patches modules loaded since; `uninstall()` puts every
@@ -147,7 +148,8 @@ def install(args=None) -> None:
     """slime's init hook: refuse the package's flags that slime's parser dropped from the command
     line (`arguments.refuse_dropped_flags`: slime's own entry script was run with them), run the
     package's flag checks when its flags, losses or hooks are configured
-    (`arguments.check_at_first_use`), else those of slime's own features against its patches, patch the targets in every loaded module (idempotent; see
+    (`arguments.check_at_first_use`), else those of slime's own features against its patches
+    (`flags/slime_features.py`), patch the targets in every loaded module (idempotent; see
     `_targets`), start the weight-version age bookkeeping when the SFC loss is configured, then run
     the user's own init hook when the entry point moved it to --fusedrl-user-init-path."""
     if args is not None:

@@ -96,7 +96,8 @@ def _check_flush_cache_interval(args) -> None:
     interval = getattr(args, "flush_cache_interval", 1)
     if interval != 1 and custom_loss_is(args, SFC_LOSS_PATHS):
         raise ValueError(
-            f"--flush-cache-interval {interval} pushes weights while requests are in flight, so one /generate answer "
-            f"can span two weight versions but reports one and --custom-loss-function-path {args.custom_loss_function_path} "
-            "would train on wrong token ages: use --flush-cache-interval 1 (slime's default) with the SFC loss"
+            f"--flush-cache-interval {interval} pushes weights while requests are in flight, so one /generate "
+            "answer can span two weight versions but reports one, and --custom-loss-function-path "
+            f"{args.custom_loss_function_path} would train on wrong token ages: use --flush-cache-interval 1 "
+            "(slime's default) with the SFC loss"
         )

@@ -87,17 +87,22 @@ def test_reinforce_on_slimes_policy_loss_is_slimes_own_where_slime_defines_the_f
         policy.validate_args(slime_args(pg_loss_type="reinforce", **SFC))
 
 
+PLUGIN_ON = {"AGENTCORE_SGLANG_TOKEN_SAMPLES": "1"}
+PACKAGE_REDUCER = dict(SLIMES_POLICY_LOSS, custom_pg_loss_reducer_function_path="fusedrl.slime_ext.aggregation.get_pg_loss_reducer")
+TRITON, CENTERING = dict(log_probs_backend="triton"), dict(use_score_centering=True)
+LM_HEAD, KEEP = dict(fusedrl_fused_lm_head=True), dict(fusedrl_keep_slime_log_probs=True)
+
+
 @pytest.mark.parametrize(
     "overrides, environ, names",
     [
-        (dict(log_probs_backend="triton"), {}, ("--log-probs-backend triton", "fusedrl.slime_ext.install", "--log-probs-backend torch")),
-        (dict(log_probs_backend="triton", fusedrl_fused_lm_head=True), {}, ("--log-probs-backend triton", "--fusedrl-fused-lm-head")),
-        (dict(use_score_centering=True, fusedrl_fused_lm_head=True, **SLIMES_POLICY_LOSS), {}, ("--use-score-centering", "drop --fusedrl-fused-lm-head")),
-        (dict(use_score_centering=True), {}, ("--use-score-centering", "fusedrl.slime_ext.losses.policy_loss")),
-        (dict(use_score_centering=True, **SFC), {}, ("--use-score-centering", "fusedrl.slime_ext.losses.sfc_loss")),
-        (dict(use_score_centering=True, loss_aggregation="constant", **dict(SLIMES_POLICY_LOSS, custom_pg_loss_reducer_function_path="fusedrl.slime_ext.aggregation.get_pg_loss_reducer")),
-         {}, ("--loss-aggregation constant", "--use-score-centering")),
-        (dict(use_score_centering=True, score_centering_top_k=128, **SLIMES_POLICY_LOSS), {"AGENTCORE_SGLANG_TOKEN_SAMPLES": "1"},
+        (TRITON, {}, ("--log-probs-backend triton", "fusedrl.slime_ext.install", "--log-probs-backend torch")),
+        ({**TRITON, **LM_HEAD}, {}, ("--log-probs-backend triton", "--fusedrl-fused-lm-head")),
+        ({**CENTERING, **LM_HEAD, **SLIMES_POLICY_LOSS}, {}, ("--use-score-centering", "drop --fusedrl-fused-lm-head")),
+        (CENTERING, {}, ("--use-score-centering", "fusedrl.slime_ext.losses.policy_loss")),
+        ({**CENTERING, **SFC}, {}, ("--use-score-centering", "fusedrl.slime_ext.losses.sfc_loss")),
+        ({**CENTERING, **PACKAGE_REDUCER, "loss_aggregation": "constant"}, {}, ("--loss-aggregation constant", "--use-score-centering")),
+        ({**CENTERING, **SLIMES_POLICY_LOSS, "score_centering_top_k": 128}, PLUGIN_ON,
          ("--use-score-centering", "top_logprobs_num = 128", "AGENTCORE_SGLANG_TOKEN_SAMPLES=1", "unset AGENTCORE_SGLANG_TOKEN_SAMPLES")),
         (dict(flush_cache_interval=0, **SFC), {}, ("--flush-cache-interval 0", "fusedrl.slime_ext.losses.sfc_loss", "--flush-cache-interval 1")),
     ],
@@ -111,10 +116,10 @@ def test_slimes_features_the_package_cannot_run_with_are_refused_naming_both(ove
 @pytest.mark.parametrize(
     "overrides, environ",
     [
-        (dict(), {"AGENTCORE_SGLANG_TOKEN_SAMPLES": "1"}),  # a slime without the newer flags: slime's defaults
-        (dict(log_probs_backend="triton", fusedrl_keep_slime_log_probs=True, **SLIMES_POLICY_LOSS), {}),
-        (dict(log_probs_backend="torch", use_score_centering=False, flush_cache_interval=1, **SFC), {"AGENTCORE_SGLANG_TOKEN_SAMPLES": "1"}),
-        (dict(use_score_centering=True, **SLIMES_POLICY_LOSS), {"AGENTCORE_SGLANG_TOKEN_SAMPLES": "0"}),
+        ({}, PLUGIN_ON),  # a slime without the newer flags: slime's defaults
+        ({**TRITON, **KEEP, **SLIMES_POLICY_LOSS}, {}),
+        (dict(log_probs_backend="torch", use_score_centering=False, flush_cache_interval=1, **SFC), PLUGIN_ON),
+        ({**CENTERING, **SLIMES_POLICY_LOSS}, {"AGENTCORE_SGLANG_TOKEN_SAMPLES": "0"}),
         (dict(flush_cache_interval=-1), {}),  # slime's policy loss: no token ages
     ],
 )  # fmt: skip
