@@ -15,6 +15,9 @@ import torch
 import upstream_slime
 
 ROOT = upstream_slime.require()
+# SGLang's start-up and the three runs, in the first test's setup: minutes on a quiet 2-core
+# machine (ENGINE_START_TIMEOUT_S and LOOP_TIMEOUT_S bound each on a busy one).
+pytestmark = pytest.mark.timeout(3600)
 
 import sglang_server  # noqa: E402
 import slime_loop  # noqa: E402
