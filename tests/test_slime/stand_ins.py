@@ -6,17 +6,19 @@ why, and sits at the boundary of slime's or megatron-core's code, never inside t
 Two layers:
 
 - `install_import_stubs()`: packages a CPU test machine cannot import, stubbed only when missing
-  (an installed one is always used), and slime's device registry given a CPU entry
-  (`select_cpu_accelerator`). `upstream_slime.load()` applies both for every test that imports
-  slime's source.
-- `run_on_cpu()`: what slime's synchronous training loop (`train.py`) hits at run time on CPU, for
-  the loop test and the stale-rollouts study (`slime_loop.py`): megatron-core's CUDA-only calls, TE
-  attention for packed sequences, slime's llama converter's TE-only layer-norm name, pinned host
-  memory. With them: `placement(...)` builds slime's own rollout manager, train actor and train
-  group in this process (what `train.py`'s `create_placement_groups` / `create_rollout_manager` /
-  `create_training_models` do through Ray), the model, DDP and optimizer by hand (what the train
-  actor's `init` does through Megatron-LM's training package), and `RouterForwarder` stands for
-  SGLang's router.
+  (an installed one is always used), and `select_cpu_accelerator()`: a CPU entry in slime's device
+  registry. `upstream_slime.load()` applies both for every test that imports slime's source.
+- `run_on_cpu()`: what slime's synchronous training loop (`train.py`) meets at run time on CPU, for
+  the loop test and the stale-rollouts study (`slime_loop.py`), each put where slime or
+  megatron-core looks it up: megatron-core's CUDA-only calls (`cpu_torch`,
+  `clip_grad_by_total_norm_fp32`), TE's attention for packed sequences
+  (`packed_sequence_attention`), the TE-only layer-norm name of slime's llama conversions
+  (`te_layer_norm_name`), Megatron-LM's training package where slime's train actor calls it
+  (`initialize_megatron`, `get_model`, `core_transformer_config_from_args`; its flags:
+  `megatron_args`), and Ray's placement of the train actors (`allocate_train_actors`, behind
+  `ActorHandle`s). `create_placement_groups` and `rollout_manager(...)` stand for train.py's Ray
+  set-up (`slime_loop.py` hands them to it): slime's own rollout manager around an SGLang server
+  already running, behind `RouterForwarder`, the stand-in for SGLang's router.
 
 Any other name of a stubbed package resolves to a placeholder class that raises when called or
 instantiated, naming the stub: code that strays onto a stubbed path fails loudly, never quietly.
@@ -40,7 +42,7 @@ import torch
 # Stubbed package -> what it is and why a CPU test machine cannot import it.
 STUBS = {
     "ray": "the Ray cluster runtime (actors and object store) is not installed on the CPU test machine",
-    "httpx": "slime's HTTP client for SGLang servers; the tests send no request",
+    "httpx": "slime's HTTP client for SGLang servers (SGLang installs it); the tests without SGLang send no request",
     "sglang_router": "SGLang's router is a compiled extension, not installed on CPU",
     "megatron.training": "Megatron-LM's training package is not part of the megatron-core wheel",
     "wandb": "experiment tracking client (network), imported by slime's logging setup",

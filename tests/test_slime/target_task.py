@@ -14,6 +14,7 @@ slime reads the prompts from `write_prompts`' JSONL file (`--prompt-data`, keys 
 import json
 from pathlib import Path
 
+import sglang_server
 import torch
 
 VOCAB = 64
@@ -35,35 +36,9 @@ def write_prompts(path: Path) -> Path:
 
 
 def write_model(directory: Path, seed: int = 0) -> Path:
-    """A random LlamaForCausalLM (hidden 64, 2 layers, 4 heads in 2 groups, untied output layer)
-    over the task's vocabulary, fp32, and its word-level tokenizer, in `directory`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    directory.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        LlamaForCausalLM(config).float().save_pretrained(directory)
-    finally:
-        torch.random.set_rng_state(state)
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(directory)
-    return directory
+    """A random tiny Llama over the task's vocabulary, initialised with `seed`, with no
+    end-of-sequence token, and its word-level tokenizer, in `directory`."""
+    return sglang_server.llama_checkpoint(directory, VOCAB, seed=seed, max_positions=64, with_eos=False)
 
 
 def score(response_tokens, label) -> float:
