@@ -193,7 +193,7 @@ class Observations:
         self.rollouts = []  # per rollout: versions that sampled it, its draws
         self.ages = {}  # step -> sorted SFC ages of its tokens
         self.forward_drift = []  # per rollout: max over tokens of |Megatron - SGLang| / max(1, |SGLang|) log-prob, before its first step
-        self.pushes = []  # (pushed, served) per push
+        self.pushes = []  # (pushed, served) per push, from `serve_lagged`
         self.started = time.perf_counter()
 
     def install(self) -> None:
@@ -236,7 +236,6 @@ class Observations:
             return result
 
         age.CLOCK.ages = recording_ages
-        serve_lagged(self.config.lag, self.pushes)
 
     def _rollout(self, rollout_data) -> None:
         from fusedrl.slime_ext.carry import SFC_DRAWS_KEY, SFC_VERSIONS_KEY
@@ -325,6 +324,7 @@ def run(config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_
         script.create_rollout_manager = stand_ins.rollout_manager(*engine)
         observations = Observations(config)
         observations.install()
+        serve_lagged(config.lag, observations.pushes)
         # slime's clear_memory() runs gc.collect() a few times per rollout; the start-up's objects
         # (SGLang's, megatron-core's and slime's modules) would make each take most of a second.
         gc.freeze()
