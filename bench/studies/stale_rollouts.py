@@ -234,7 +234,9 @@ def parse(argv=None):
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--lag", type=int, default=4, help="staleness of the stale arm, in weight pushes")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
-    parser.add_argument("--steps-per-rollout", type=int, default=2, help="2 here; the described run's geometry is 16")
+    parser.add_argument("--steps-per-rollout", type=int, default=2,
+                        help="optimizer steps per rollout; the described run's geometry is 16 (with --steps 320: "
+                        "--steps must be a multiple)")  # fmt: skip
     parser.add_argument("--samples-per-step", type=int, default=32)
     parser.add_argument("--draws", type=int, default=4, help="K, SFC's draws per token")
     parser.add_argument("--kl-beta", type=float, default=0.3, help="beta0 of SFC's KL")
