@@ -260,6 +260,12 @@ def parse(argv=None):
     return options
 
 
+def _require_saved(results: dict, out: Path) -> None:
+    missing = [name for name, result in results.items() if result is None]
+    if missing:
+        raise SystemExit(f"no saved observations of {', '.join(missing)} in {out / 'runs'}")
+
+
 def main(argv=None) -> None:
     options = parse(argv)
     from ..harness.progress import Progress
@@ -268,11 +274,11 @@ def main(argv=None) -> None:
     searched = len(options.lrs) > 1
     study = Study(options.out)
     if options.report:
-        rates = best_rates({run_name(c): study.saved(c) for c in grid}, grid) if searched else dict.fromkeys(METHODS, options.lrs[0])
+        grid_results = {run_name(c): study.saved(c) for c in grid} if searched else {}
+        _require_saved(grid_results, options.out)
+        rates = best_rates(grid_results, grid) if searched else dict.fromkeys(METHODS, options.lrs[0])
         results = {run_name(c): study.saved(c) for c in main_configs(rates)}
-        missing = [name for name, result in results.items() if result is None]
-        if missing:
-            raise SystemExit(f"no saved observations of {missing} in {options.out / 'runs'}")
+        _require_saved(results, options.out)
         print(report(results, options.out))
         return
     server = None
