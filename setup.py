@@ -53,6 +53,7 @@ setup(
             "hypothesis",
             "pytest-benchmark",
             "matplotlib",
+            "pylatexenc",  # imported by slime's reward hub, which the training-loop test runs
         ],
         "bench": ["matplotlib", "pytest-benchmark"],
     },

@@ -9,7 +9,8 @@ What it takes, built here at test time:
   on the server's LD_LIBRARY_PATH only.
 - `tiny_model`: a random LlamaForCausalLM (vocab 1000) written with transformers'
   `save_pretrained`, its output layer scaled so the next-token distribution is far from uniform,
-  and an offline word-level tokenizer (`w<id>` is token `<id>`).
+  and an offline word-level tokenizer (`w<id>` is token `<id>`); `llama_checkpoint` writes such a
+  model of any vocabulary (the training-loop test's task has its own, tests/test_slime/target_task.py).
 - `Server`: `python -m sglang.launch_server --device cpu` with SGLANG_USE_CPU_ENGINE=1 on a free
   loopback port, in its own process group, its output in a log file; `wait_ready` polls
   `/health_generate` for a bounded time and fails with the log's tail; `stop` ends the group
@@ -94,44 +95,62 @@ def libcuda_stub(directory: Path) -> Path:
 
 
 def tiny_model(directory: Path) -> Path:
-    """A random Llama (hidden 64, 2 layers, vocab 1000) and its word-level tokenizer."""
+    """A random Llama (vocab 1000, with <unk>, <s> and </s>) whose next-token distribution is far
+    from uniform, and its word-level tokenizer."""
+    # Unit-scale hidden states times N(0, 0.3^2) output weights: logits of std ~2.4, so the
+    # temperature matters.
+    return llama_checkpoint(directory, VOCAB, seed=20261201, max_positions=CONTEXT_LENGTH, output_std=0.3)
+
+
+def llama_checkpoint(
+    directory: Path,
+    vocab_size: int,
+    *,
+    seed: int,
+    max_positions: int,
+    with_eos: bool = True,
+    output_std: Optional[float] = None,
+) -> Path:
+    """A random LlamaForCausalLM (hidden 64, 2 layers, 4 heads in 2 groups, untied output layer,
+    fp32) over `vocab_size` tokens and its offline word-level tokenizer (`w<id>` is token `<id>`),
+    saved in `directory`. `with_eos`: ids 0-2 are <unk>, <s> and </s>; without, every id is a word
+    and there is no end-of-sequence token, so generation always runs to its length limit.
+    `output_std`: the output layer drawn from N(0, output_std^2) instead of the default init."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     directory.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=CONTEXT_LENGTH,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
+        bos_token_id=1 if with_eos else None,
+        eos_token_id=2 if with_eos else None,
+        pad_token_id=None,
     )
     generator_state = torch.random.get_rng_state()
-    torch.manual_seed(20261201)
+    torch.manual_seed(seed)
     try:
         model = LlamaForCausalLM(config).float()
-        with torch.no_grad():
-            # Unit-scale hidden states times N(0, 0.3^2) weights: logits of std ~2.4, so the
-            # next-token distribution is far from uniform and the temperature matters.
-            model.lm_head.weight.normal_(0.0, 0.3)
+        if output_std is not None:
+            with torch.no_grad():
+                model.lm_head.weight.normal_(0.0, output_std)
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(directory)
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    special = {"<unk>": 0, "<s>": 1, "</s>": 2} if with_eos else {}
+    vocab = {**special, **{f"w{i}": i for i in range(len(special), vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>" if with_eos else "w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    tokenizer.save_pretrained(directory)
+    names = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"} if with_eos else {"unk_token": "w0"}
+    PreTrainedTokenizerFast(tokenizer_object=backend, **names).save_pretrained(directory)
     return directory
 
 

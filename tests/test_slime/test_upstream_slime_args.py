@@ -1,5 +1,5 @@
 """fusedrl's flags through slime's real argument parser (FUSEDRL_SLIME_SRC; tests/test_slime/upstream_slime.py),
-as slime 624b824 defines it and as a newer slime does (`upstream_slime.use_newer_flags`: its own
+as slime 624b824 defines it and as a newer slime does (`stand_ins.use_newer_flags`: its own
 --pg-loss-type, --use-score-centering, --score-centering-top-k, --log-probs-backend,
 --flush-cache-interval, and a `slime_validate_args` returning `(args, restore_plan)`).
 
@@ -17,6 +17,7 @@ import argparse
 import os
 
 import pytest
+import stand_ins
 import upstream_slime
 from distributed import run_on_ranks
 
@@ -152,7 +153,7 @@ def observe(rank, world_size, cases, script):
     out = {}
     for parser in PARSERS:
         if parser == "newer":
-            upstream_slime.use_newer_flags()
+            stand_ins.use_newer_flags()
         out[parser] = {}
         for name, observation in observations(root, cases, script).items():
             try:
@@ -382,7 +383,7 @@ def test_pg_loss_type_reinforce_is_a_registered_flag(on):
 def test_startup_checks_read_only_flags_slime_or_fusedrl_define(on, parser, config):
     """On slime 624b824 the only others read are the newer slime's flags, each by capability
     (absent: slime's default)."""
-    allowed = set() if parser == "newer" else {option[2:].replace("-", "_") for option in upstream_slime.NEWER_FLAGS}
+    allowed = set() if parser == "newer" else {option[2:].replace("-", "_") for option in stand_ins.NEWER_FLAGS}
     assert on["undefined_reads"][config] <= allowed
 
 

@@ -5,146 +5,29 @@ conversion, log-prob path and argument parser instead of a re-implementation of 
 FUSEDRL_SLIME_SRC is a slime checkout root (holding the `slime/` package and `train.py`); CI
 (`.ci/run`) points it at `../shared/upstream/slime`. A test module calls `require()` at import:
 unset, the module skips with that reason; set to a folder that is not a slime checkout, it fails.
-slime itself is imported (`load()`) only in the spawned workers that run it, so the stubs below
-never reach the pytest process.
+slime itself is imported (`load()`) only in the spawned workers that run it, so the stubs never
+reach the pytest process.
 
-slime imports a few things a CPU test machine cannot: only those are stubbed, each at the import
-boundary, and only when the real package is missing (an installed one is always used):
-
-- `ray`: the cluster runtime. slime's actors are plain classes here (`ray.remote` returns what it
-  decorates) and the object store is the identity (`ray.put` / `ray.get` hand the object back), so
-  a test calls the actor methods that turn rollouts into training data in its own process.
-- `httpx`: the HTTP client slime talks to SGLang servers with (`slime.utils.http_utils`); no test
-  sends a request.
-- `sglang_router`: SGLang's router, a compiled extension not installed on CPU; slime imports its
-  `RouterArgs` to register the router flags.
-- `megatron.training`: Megatron-LM's training package, not part of the `megatron-core` wheel.
-  `global_vars.set_args` / `get_args` keep the args as Megatron's do (slime's train actor sets them
-  and hooks read them back); nothing else from it runs.
-- `wandb`: experiment tracking (a network client), imported by slime's logging setup.
-- `torch_memory_saver`: GPU memory offloading (CUDA only), imported by slime's train actor.
-- `zstandard`: the compressor of the delta weight updater's disk format (`--update-weight-mode
-  delta`), not among the test dependencies; no test writes that format.
-
-slime picks its device through `slime.utils.accelerator` (CUDA or MUSA); `load()` registers and
-selects a CPU backend there, through slime's own `register_accelerator` / `set_accelerator`.
+slime imports a few things a CPU test machine cannot (Ray, sglang_router, Megatron-LM's training
+package, wandb, ...) and knows no CPU device: `load()` stubs those at the import boundary, only when
+missing, and selects a CPU backend in slime's device registry (`stand_ins.install_import_stubs`,
+`stand_ins.select_cpu_accelerator`; every stand-in lives in tests/test_slime/stand_ins.py).
 
 `parse_known_args` stands in for `slime.utils.arguments.parse_args`, whose Megatron half needs
 `megatron.training`: it runs everything of slime's parse that does not (see its docstring);
 `parse_args` is the same with slime's signature, for the package's entry point to call.
 
-`use_newer_flags()` stands in for a newer slime's parser (THUDM/slime at d88425a0, the branch of
-PR #2383, `slime/utils/arguments.py`): slime's own groups plus the flags that file defines and
-624b824 does not, each with that file's name, choices and default (`NEWER_FLAGS`), and its
-`slime_validate_args`, which validates a deep copy and returns `(args, restore_plan)`.
-
-Any other name of a stubbed package resolves to a placeholder class that raises when called or
-instantiated, naming the stub: a test that strays onto a stubbed path fails loudly, never quietly.
+A newer slime's parser, for the tests of the flags: `stand_ins.use_newer_flags()`.
 """
 
 import argparse
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import sys
-import types
 
 import pytest
+import stand_ins
 
 ENV_VAR = "FUSEDRL_SLIME_SRC"
-
-# Stubbed package -> why a CPU test machine cannot import the real one.
-STUBS = {
-    "ray": "the Ray cluster runtime (actors and object store) is not installed on the CPU test machine",
-    "httpx": "slime's HTTP client for SGLang servers; the tests send no request",
-    "sglang_router": "SGLang's router is a compiled extension, not installed on CPU",
-    "megatron.training": "Megatron-LM's training package is not part of the megatron-core wheel",
-    "wandb": "experiment tracking client (network), imported by slime's logging setup",
-    "torch_memory_saver": "GPU memory offloading, CUDA only",
-    "zstandard": "the delta weight updater's compressor, not among the test dependencies",
-}
-
-
-def _placeholder(qualified: str, why: str) -> type:
-    """A class standing for `qualified`: usable in annotations, as a base or in isinstance
-    checks, but calling or instantiating it raises."""
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError(f"{qualified} is stubbed by tests/test_slime/upstream_slime.py ({why}) and cannot run")
-
-    return type(qualified.rpartition(".")[2], (), {"__init__": refuse, "__module__": qualified.rpartition(".")[0]})
-
-
-class _StubModule(types.ModuleType):
-    """A stubbed (sub)module: explicit attributes as set, any other name a placeholder."""
-
-    def __init__(self, name: str, why: str):
-        super().__init__(name, f"stub: {why}")
-        self.__path__ = []  # a package, so its submodules import
-        self.__why__ = why
-
-    def __getattr__(self, attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        value = _placeholder(f"{self.__name__}.{attr}", self.__why__)
-        setattr(self, attr, value)
-        return value
-
-
-def _stub_root(name: str):
-    for root in STUBS:
-        if name == root or name.startswith(root + "."):
-            return root
-    return None
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves the stubbed packages (and any submodule of them) to `_StubModule`s; sits last on
-    `sys.meta_path`, so a really installed package always wins."""
-
-    def find_spec(self, name, path=None, target=None):
-        root = _stub_root(name)
-        if root is None:
-            return None
-        return importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-    def create_module(self, spec):
-        module = _StubModule(spec.name, STUBS[_stub_root(spec.name)])
-        _FILL.get(spec.name, lambda module: None)(module)
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-def _fill_ray(module) -> None:
-    def remote(*args, **kwargs):
-        if len(args) == 1 and not kwargs and callable(args[0]):
-            return args[0]  # @ray.remote on a class or function: the plain object
-        return lambda target: target  # @ray.remote(num_gpus=...)
-
-    module.remote = remote
-    module.put = lambda value, **kwargs: value
-    module.get = lambda ref, **kwargs: ref
-    module.is_initialized = lambda: False
-
-
-def _fill_megatron_global_vars(module) -> None:
-    holder = {}
-
-    def set_args(args):
-        holder["args"] = args
-
-    def get_args():
-        if "args" not in holder:
-            raise RuntimeError("megatron.training.global_vars.get_args() before set_args(args)")
-        return holder["args"]
-
-    module.set_args, module.get_args = set_args, get_args
-
-
-_FILL = {"ray": _fill_ray, "megatron.training.global_vars": _fill_megatron_global_vars}
 
 
 def require() -> str:
@@ -162,24 +45,6 @@ def require() -> str:
     return root
 
 
-def _stub_missing_packages() -> None:
-    """Register the stub finder once, after the real finders, for the packages that are missing."""
-    if any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
-        return
-    for name in list(STUBS):
-        parent = name.rpartition(".")[0]
-        if (not parent or importlib.util.find_spec(parent) is not None) and _installed(name):
-            del STUBS[name]
-    sys.meta_path.append(_StubFinder())
-
-
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def load() -> str:
     """Make slime's source importable (stubs included); returns the checkout root. Idempotent.
 
@@ -187,92 +52,52 @@ def load() -> str:
     code, so call it only in the spawned workers that run slime, never in the pytest process
     (where SGLang's own tests must see the packages as missing)."""
     root = require()
-    _stub_missing_packages()
+    stand_ins.install_import_stubs()
     if root not in sys.path:
         sys.path.insert(0, root)
     import slime
 
     if not os.path.abspath(slime.__file__).startswith(os.path.join(root, "slime")):
         raise RuntimeError(f"`import slime` found {slime.__file__}, not the checkout {ENV_VAR}={root}")
-    _select_cpu_accelerator()
+    stand_ins.select_cpu_accelerator()
     return root
 
 
-def _select_cpu_accelerator() -> None:
-    """slime's device calls (`accelerator.current_device()`, ...) answer "cpu"."""
-    import torch
-    from slime.utils import accelerator
-
-    class CPUAccelerator(accelerator.Accelerator):
-        name = device_type = "cpu"
-        communication_backend_name = "gloo"
-
-        def is_available(self):
-            return True
-
-        def device(self, index=None):
-            return torch.device("cpu")
-
-        def device_name(self, index=None):
-            return "cpu"
-
-        def set_device(self, index):
-            pass
-
-        def current_device(self):
-            return "cpu"
-
-        def device_count(self):
-            return 1
-
-        def synchronize(self, device=None):
-            pass
-
-        def current_stream(self, device=None):
-            return None
-
-        def empty_cache(self):
-            pass
-
-        def mem_get_info(self, device=None):
-            return (0, 0)
-
-        def memory_allocated(self, device=None):
-            return 0
-
-        def memory_reserved(self, device=None):
-            return 0
-
-    accelerator.register_accelerator("cpu", CPUAccelerator, lambda: True, communication_backends=("gloo",))
-    accelerator.set_accelerator(CPUAccelerator())
-
-
-def parse_known_args(argv, add_custom_arguments=None):
+def parse_known_args(argv, add_custom_arguments=None, with_sglang=False):
     """`(args, unknown)`: slime's `parse_args(add_custom_arguments)` on `argv`, less what needs
-    Megatron-LM's training package or an SGLang server.
+    Megatron-LM's training package (and, unless `with_sglang`, SGLang's server flags).
 
     As slime does: its provider registers `add_custom_arguments`' flags first, then slime's own, on
     an `ArgumentParser(allow_abbrev=False)` parsed with `parse_known_args` (Megatron's
     `ignore_unknown_args=True`: `unknown` is what slime drops); the pre-parsed mode flags are
-    merged in and `slime_validate_args` runs. Left out: Megatron's own flags and
-    `validate_args`, SGLang's server flags and checks (slime parses them apart from these).
+    merged in and `slime_validate_args` runs. `with_sglang`: slime's SGLang half too, its own
+    parser of the `--sglang-*` flags from SGLang's `ServerArgs` (the router's flags left out:
+    there is no router) merged in and its `validate_args` run, as `parse_args` does. Left out:
+    Megatron's own flags and `validate_args`; `unknown` is what slime's main parser leaves to
+    Megatron and to SGLang.
     """
-    import sys
-
     from slime.utils import arguments
+
+    if with_sglang:
+        from slime.backends.sglang_utils import arguments as sglang_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     arguments.get_slime_extra_args_provider(add_custom_arguments)(parser)
-    saved, sys.argv = sys.argv, ["train.py", *argv]  # slime's pre-parse reads sys.argv
+    saved, sys.argv = sys.argv, ["train.py", *argv]  # slime's pre-parse and SGLang half read sys.argv
     try:
         args, unknown = parser.parse_known_args(argv)
         for key, value in vars(arguments._pre_parse_mode()).items():
             setattr(args, key, value)
+        if with_sglang:
+            for key, value in vars(sglang_arguments.sglang_parse_args()).items():
+                setattr(args, key, value)
     finally:
         sys.argv = saved
     validated = arguments.slime_validate_args(args)
     if validated is not None:  # newer slime validates a copy and returns (args, restore_plan)
         args, _restore_plan = validated
+    if with_sglang:
+        sglang_arguments.validate_args(args)
     return args, unknown
 
 
@@ -280,49 +105,3 @@ def parse_args(add_custom_arguments=None):
     """slime's `parse_args(add_custom_arguments)` as `parse_known_args` runs it, on `sys.argv[1:]`;
     slime drops what its parser does not define."""
     return parse_known_args(sys.argv[1:], add_custom_arguments)[0]
-
-
-# The flags of slime d88425a0's slime/utils/arguments.py that 624b824 lacks: option -> add_argument
-# keywords (name, choices and default as that file has them; help left out).
-NEWER_FLAGS = {
-    "--log-probs-backend": dict(choices=("torch", "triton"), default="torch"),  # add_train_arguments
-    "--flush-cache-interval": dict(type=int, default=1),  # add_rollout_arguments
-    "--pg-loss-type": dict(choices=["ppo", "reinforce"], default=None),  # add_algo_arguments
-    "--use-score-centering": dict(action="store_true"),
-    "--score-centering-top-k": dict(type=int, default=128),
-}
-
-
-def use_newer_flags() -> None:
-    """Make this process's `slime.utils.arguments` a newer slime's, as far as the package meets it:
-    its provider registers the custom arguments first and slime's groups after, these among them
-    (so a custom `--pg-loss-type` collides as on the newer slime), and `slime_validate_args`
-    returns `(args, restore_plan)` for a validated deep copy, leaving its argument untouched
-    (restore_plan: None, no checkpoint to restore). Call after `load()`, in a spawned worker."""
-    import copy
-
-    from slime.utils import arguments
-
-    if getattr(arguments, "NEWER_FLAGS", None) is NEWER_FLAGS:
-        return
-    provider, validate = arguments.get_slime_extra_args_provider, arguments.slime_validate_args
-
-    def get_slime_extra_args_provider(add_custom_arguments=None):
-        add_slime_arguments = provider(add_custom_arguments)
-
-        def add_newer_slime_arguments(parser):
-            parser = add_slime_arguments(parser)
-            for option, keywords in NEWER_FLAGS.items():
-                parser.add_argument(option, **keywords)
-            return parser
-
-        return add_newer_slime_arguments
-
-    def slime_validate_args(args):
-        args = copy.deepcopy(args)
-        validate(args)
-        return args, None
-
-    arguments.get_slime_extra_args_provider = get_slime_extra_args_provider
-    arguments.slime_validate_args = slime_validate_args
-    arguments.NEWER_FLAGS = NEWER_FLAGS

@@ -1,0 +1,117 @@
+"""The SFC workflow as one loop: slime's own train.py on CPU (tests/test_slime/slime_loop.py), from
+SGLang's real server with the package's plugin through the age clock to megatron-core's optimizer
+and the weight push, on stale rollouts.
+
+Lag 2 (the engine serves the snapshot two pushes behind the trainer) and 2 optimizer steps per
+rollout: the engine serves v1 for rollouts 0-2 and v2 for rollout 3, so the loss's ages read
+0,1 | 2,3 | 4,5 | 4,5. Three runs on one SGLang server: SFC on the float64 reference path, the
+package's REINFORCE, and SFC again with the Triton interpreter on (the fused kernels in the loop).
+"""
+
+import math
+
+import pytest
+import torch
+import upstream_slime
+
+ROOT = upstream_slime.require()
+# SGLang's start-up and the three runs, in the first test's setup: minutes on a quiet 2-core
+# machine (ENGINE_START_TIMEOUT_S and LOOP_TIMEOUT_S bound each on a busy one).
+pytestmark = pytest.mark.timeout(3600)
+
+import sglang_server  # noqa: E402
+import slime_loop  # noqa: E402
+
+LAG, STEPS_PER_ROLLOUT = 2, 2
+GEOMETRY = {"lag": LAG, "steps_per_rollout": STEPS_PER_ROLLOUT, "samples_per_step": 16, "samples_per_prompt": 8}
+SFC = slime_loop.LoopConfig("sfc", rollouts=4, **GEOMETRY)
+REINFORCE = slime_loop.LoopConfig("reinforce", rollouts=2, **GEOMETRY)
+INTERPRETED = slime_loop.LoopConfig("sfc", rollouts=1, **GEOMETRY)
+# Each optimizer step's SFC ages (issue 30): v1 pushed before step 0 and served for three
+# rollouts, v2 pushed after step 1 and served from rollout 3.
+AGES = [[0], [1], [2], [3], [4], [5], [4], [5]]
+AGE_ZERO_DRIFT = 1e-6  # the losses' ppo_kl (a mean over tokens) at age 0
+FP32_ROUNDING = 16 * torch.finfo(torch.float32).eps  # per token, relative to max(1, |log-prob|)
+LOOP_TIMEOUT_S = 1200
+
+
+def served_version(push: int) -> int:
+    """The version the engine serves after the push of version `push` (1 is pushed first)."""
+    return max(push - LAG, 1)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """(host, port) of SGLang's CPU server with the plugin on the task's model, and its task folder."""
+    task_dir = tmp_path_factory.mktemp("loop_task")
+    server = slime_loop.start_engine(slime_loop.task_files(task_dir, task_dir), task_dir)
+    try:
+        yield (sglang_server.HOST, server.wait_ready(slime_loop.ENGINE_START_TIMEOUT_S).port), task_dir, server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(engine, tmp_path_factory):
+    """{name: observations} of the three runs, one after the other on the one server."""
+    address, task_dir, _ = engine
+    plans = {"sfc": (SFC, None), "reinforce": (REINFORCE, None), "interpreted": (INTERPRETED, "1")}
+    return {
+        name: slime_loop.run_in_subprocess(
+            config, tmp_path_factory.mktemp(f"loop_{name}"), address, task_dir, LOOP_TIMEOUT_S, TRITON_INTERPRET=interpret
+        )
+        for name, (config, interpret) in plans.items()
+    }
+
+
+def test_ages_follow_the_pushes_and_the_lag(runs):
+    for name, config in (("sfc", SFC), ("interpreted", INTERPRETED)):
+        steps = runs[name]["steps"]
+        assert [step["ages"] for step in steps] == AGES[: config.steps], name
+
+
+def test_weight_versions_advance_and_the_engine_serves_the_lagged_one(runs):
+    for name, config in (("sfc", SFC), ("reinforce", REINFORCE), ("interpreted", INTERPRETED)):
+        observed = runs[name]
+        pushes = list(range(1, config.rollouts + 2))  # the first push, then one after every rollout
+        assert [p["pushed"] for p in observed["pushes"]] == pushes, name
+        assert [p["served"] for p in observed["pushes"]] == [served_version(v) for v in pushes], name
+        if config.method == "sfc":  # the age clock (SFC's alone) saw every push after its rollout's steps
+            assert observed["push_steps"] == {str(v): STEPS_PER_ROLLOUT * (v - 1) for v in pushes}, name
+    served = [rollout["versions"] for rollout in runs["sfc"]["rollouts"]]
+    assert served == [[served_version(r + 1)] for r in range(SFC.rollouts)] == [[1], [1], [1], [2]]
+
+
+def test_every_trained_token_carries_k_draws_from_the_plugin(runs, engine):
+    for name, config in (("sfc", SFC), ("interpreted", INTERPRETED)):
+        for rollout in runs[name]["rollouts"]:
+            samples = config.samples_per_step * config.steps_per_rollout
+            assert rollout["samples"] == rollout["samples_with_draws"] == samples, name
+            assert rollout["response_lengths"] == [8]
+            assert rollout["trained_tokens"] == samples * 8
+            # draws from the sampling distribution, not the sampled token repeated
+            assert rollout["draws_differ_from_sampled"] > samples // 2, name
+    assert sglang_server.ENABLED_LINE.split("{pid}")[0] in engine[2].log_text()  # the plugin's start-up line
+
+
+def test_drift_at_age_zero_is_rounding(runs):
+    """At age 0 the pushed weights reproduce the server's distribution: per token, SGLang's
+    log-prob of the sampled token and Megatron's (slime's forward-only pass on the package's
+    log-prob path) agree to fp32 rounding, and the losses' ppo_kl at the first step is below 1e-6."""
+    assert runs["sfc"]["forward_drift"][0] < FP32_ROUNDING
+    for name in runs:
+        assert abs(runs[name]["steps"][0]["drift"]) < AGE_ZERO_DRIFT, name
+
+
+def test_both_losses_train_to_the_end(runs):
+    for name, config in (("sfc", SFC), ("reinforce", REINFORCE), ("interpreted", INTERPRETED)):
+        steps = runs[name]["steps"]
+        assert len(steps) == config.steps, name
+        # a step whose samples all scored alike has zero advantages, a zero gradient
+        assert all(math.isfinite(step["pg_loss"]) and math.isfinite(step["grad_norm"]) for step in steps), name
+        assert any(step["grad_norm"] > 0 for step in steps), name
+
+
+def test_the_interpreted_run_has_the_fused_kernels_in_the_loop(runs):
+    assert ["token_stats", "Triton interpreter (CPU)"] in runs["interpreted"]["kernel_paths"]
+    assert all("interpreter" not in path for _, path in runs["sfc"]["kernel_paths"])
