@@ -56,6 +56,7 @@ class Setup(NamedTuple):
     recompute: bool = False  # --recompute-loss-function
     dynamic: bool = False  # --use-dynamic-batch-size: micro-batches packed by slime's build_dp_schedule
     steps: tuple = FIXED_STEPS  # without dynamic batch size
+    unwrapped_from: Optional[int] = None  # the micro-batch from which the loss runs outside slime's wrapper
 
     @property
     def per_token(self) -> bool:
@@ -267,10 +268,13 @@ def _run_step(chunks: Chunks, setup: Setup, args, batches, num_microbatches, ste
 
     from fusedrl.slime_ext import main_grad
 
-    loss_function = main_grad.publishing(slime_loss.loss_function)
+    wrapped = main_grad.publishing(slime_loss.loss_function)
     seen = {} if seen is None else seen
+    calls = iter(range(len(chunks.model) * len(batches)))
 
     def loss_func(batch, output):
+        outside = setup.unwrapped_from is not None and next(calls) >= setup.unwrapped_from
+        loss_function = getattr(wrapped, "__wrapped__", wrapped) if outside else wrapped
         loss, *rest = loss_function(args, batch, num_microbatches, step_global_batch_size, output)
         if chunks.weight is not None and hasattr(chunks.weight, "main_grad"):
             seen.setdefault("after first loss", chunks.weight.main_grad.clone())

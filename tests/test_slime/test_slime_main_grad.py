@@ -26,6 +26,8 @@ import upstream_slime
 from distributed import get_pool
 from megatron_step import Setup, assert_fused_matches_unfused, step_results
 
+from fusedrl.slime_ext import main_grad
+
 upstream_slime.require()
 
 FP16 = dict(dtype="fp16", loss_scale=2.0**16, aggregation="constant", divisor=4000.0, regularised=False)
@@ -76,3 +78,19 @@ def test_main_grad_equals_the_unfused_path(name):
             assert "grad_scale" in fused["scale error"] and "incoming gradient" in fused["scale error"]
         else:
             assert fused["scale error"] is None  # a provisional scale: the backward rescales by what arrives
+
+
+def test_a_gradient_into_main_grad_then_into_grad_in_one_step_raises():
+    """Micro-batch 1 inside slime's wrapped loss_function (main_grad), the next ones outside it (the
+    op's buffer, a .grad): megatron's DDP hook would drop that .grad, so the step raises instead."""
+    with pytest.raises(RuntimeError, match="grad_added_to_main_grad is set"):
+        get_pool(1, 1, dp=2).run(step_results, Setup(unwrapped_from=1))
+
+
+def test_the_placeholder_gradient_is_one_buffer_zeroed_for_tied_weights():
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    first = main_grad.placeholder_gradient(weight)
+    first.fill_(3.0)  # autograd may accumulate the lookup's gradient into it in place
+    weight.zero_out_wgrad = True
+    again = main_grad.placeholder_gradient(weight)
+    assert again.data_ptr() == first.data_ptr() and not bool(again.any())

@@ -18,9 +18,10 @@ boundary, and only when the real package is missing (an installed one is always 
   sends a request.
 - `sglang_router`: SGLang's router, a compiled extension not installed on CPU; slime imports its
   `RouterArgs` to register the router flags.
-- `megatron.training`: Megatron-LM's training package, not part of the `megatron-core` wheel.
-  `global_vars.set_args` / `get_args` keep the args as Megatron's do (slime's train actor sets them
-  and hooks read them back); nothing else from it runs.
+- `megatron.training`: Megatron-LM's training package, not part of the `megatron-core` wheel up
+  to 0.16 (megatron-core 0.19's wheel ships one that needs Python >= 3.12: where it does not import,
+  it is stubbed too). `global_vars.set_args` / `get_args` keep the args as Megatron's do (slime's
+  train actor sets them and hooks read them back); nothing else from it runs.
 - `wandb`: experiment tracking (a network client), imported by slime's logging setup.
 - `torch_memory_saver`: GPU memory offloading (CUDA only), imported by slime's train actor.
 - `zstandard`: the compressor of the delta weight updater's disk format (`--update-weight-mode
@@ -94,8 +95,9 @@ def _stub_root(name: str):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves the stubbed packages (and any submodule of them) to `_StubModule`s; sits last on
-    `sys.meta_path`, so a really installed package always wins."""
+    """Resolves the stubbed packages (and any submodule of them) to `_StubModule`s. It sits first on
+    `sys.meta_path` but answers only for the packages left in STUBS, which are missing or do not
+    import here, so a really installed, working package always wins."""
 
     def find_spec(self, name, path=None, target=None):
         root = _stub_root(name)
@@ -157,14 +159,30 @@ def require() -> str:
 
 
 def _stub_missing_packages() -> None:
-    """Register the stub finder once, after the real finders, for the packages that are missing."""
+    """Register the stub finder once, for the packages that are missing or do not import."""
     if any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
         return
     for name in list(STUBS):
         parent = name.rpartition(".")[0]
         if (not parent or importlib.util.find_spec(parent) is not None) and _installed(name):
-            del STUBS[name]
-    sys.meta_path.append(_StubFinder())
+            if name not in IMPORT_CHECKED or _imports(name):
+                del STUBS[name]
+    sys.meta_path.insert(0, _StubFinder())
+
+
+# Installed packages that may still not import on this Python, tried before they are trusted.
+IMPORT_CHECKED = {"megatron.training"}  # megatron-core 0.19's: `from typing import override` (Python >= 3.12)
+
+
+def _imports(name: str) -> bool:
+    """Whether `name` imports; a failed import leaves none of its modules behind."""
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[module]
+        return False
 
 
 def _installed(name: str) -> bool:
