@@ -79,21 +79,40 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NoStream:
+    """`torch.cuda.current_stream()` on the CPU: gloo's collectives are synchronous, nothing to wait for."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 @contextlib.contextmanager
 def cuda_on_cpu():
     """Test-only stand-in for the CUDA device megatron-core's schedules, pipeline communication and
     shared-embedding setup use by name: inside it, "cuda" tensors are CPU tensors,
-    `torch.cuda.current_device()` is "cpu" and `torch.cuda.synchronize()` does nothing (gloo's
-    collectives are synchronous). Without it megatron-core 0.16's `forward_backward_no_pipelining`
-    stops at `torch.zeros([], dtype=torch.int, device="cuda")`: "RuntimeError: Found no NVIDIA driver
-    on your system"."""
-    saved = torch.cuda.current_device, torch.cuda.synchronize
-    torch.cuda.current_device, torch.cuda.synchronize = (lambda: "cpu"), (lambda device=None: None)
+    `torch.cuda.current_device()` is "cpu", and `torch.cuda.synchronize()` and the streams of
+    `torch.cuda.current_stream()` (megatron-core 0.19's grad sync) do nothing (gloo's collectives are
+    synchronous). Without it megatron-core 0.16's `forward_backward_no_pipelining` stops at
+    `torch.zeros([], dtype=torch.int, device="cuda")`: "RuntimeError: Found no NVIDIA driver on your
+    system"; 0.19's `start_grad_sync` at `torch.cuda.current_stream()`: "AssertionError: Torch not
+    compiled with CUDA enabled"."""
+    names = ("current_device", "synchronize", "current_stream")
+    saved = {name: getattr(torch.cuda, name) for name in names}
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_stream = lambda device=None: _NoStream()
     try:
         with _CudaFactoriesOnCpu():
             yield
     finally:
-        torch.cuda.current_device, torch.cuda.synchronize = saved
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
 
 
 def _parallel_state():
