@@ -9,11 +9,31 @@ from token_stats_cases import loss_of, upstream_grads
 from fusedrl.kernels import TokenStats, linear_token_loss, linear_token_stats, token_stats, token_stats_reference
 
 
-def random_layer(num_rows, width, vocab, dtype, generator, logit_scale=3.0):
-    """hidden [T, H] and weight [V, H] whose product has entries of about `logit_scale`."""
+EXACT_STEP = 2.0**-4  # exact layers: every entry a multiple of this
+
+
+def random_layer(num_rows, width, vocab, dtype, generator, logit_scale=3.0, exact=False):
+    """hidden [T, H] and weight [V, H] whose product has entries of about `logit_scale`.
+
+    exact: every entry a multiple of 2^-4, so products are multiples of 2^-8 and every partial sum
+    of the product (under 2^15) is exact in fp32: the logits GEMM gives the float64 product in any
+    summation order, on any machine, also as a bf16 GEMM accumulating in fp32 (then rounded once).
+    For verdicts between paths that differ only in how a GEMM library blocks its sums."""
     hidden = torch.randn(num_rows, width, generator=generator)
     weight = torch.randn(vocab, width, generator=generator) * (logit_scale / width**0.5)
+    if exact:
+        hidden, weight = (torch.round(t / EXACT_STEP) * EXACT_STEP for t in (hidden, weight))
+        check_exact(hidden, weight, dtype)
     return hidden.to(dtype), weight.to(dtype)
+
+
+def check_exact(hidden, weight, dtype):
+    """hidden @ weight.T sums exactly in fp32 and both are exact in `dtype` (a test's own inputs)."""
+    for tensor in (hidden, weight):
+        if not torch.equal(tensor.to(dtype).double(), tensor.double()):
+            raise ValueError(f"an exact layer's entries must be exact in {dtype}: lower the logit scale")
+    if not (hidden.double().abs() @ weight.double().abs().t()).max() < 2.0**15:
+        raise ValueError("an exact layer's partial sums must stay under 2^15: lower the logit scale")
 
 
 def head_with_grad(fn, hidden, weight, ids, grads=None, device=None, **kwargs):

@@ -15,7 +15,7 @@ from lm_head_cases import (
     SeparableLoss, loss_with_grad, one_pass_head, random_layer, recompute_head, truth_head, truth_loss_head,
     unfused_loss_head,
 )  # fmt: skip
-from numerics import rel_err
+from numerics import assert_no_worse_than, rel_err
 from token_stats_cases import make_ids
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -24,20 +24,20 @@ from fusedrl.kernels import LinearTokenLoss, TokenStats, linear_token_loss
 FP32_TOL = 1e-5
 
 CASES = [
-    # (T, H, V, J, temperature, with_entropy, chunk_rows, rows, logit scale)
+    # (T, H, V, J, temperature, with_entropy, chunk_rows, rows, logit scale); large scales: below
     (13, 24, 1, 1, 1.0, True, 4, None, 3.0),
     (24, 32, 7, 9, 0.7, True, 5, [20, 3, 4, 0, 11, 17, 9], 3.0),
     (24, 32, 1000, 9, 0.7, False, 7, None, 3.0),
     (17, 16, 4099, 3, 1.0, True, 64, [16, 0, 5], 3.0),
     (20, 48, 333, 1, 0.7, True, 1, [2, 19, 7], 3.0),
-    (16, 32, 501, 2, 0.1, True, 6, None, 30.0),  # |logits| / T in the hundreds
 ]
 
 
-def problem(num_rows, width, vocab, num_ids, dtype, seed, rows=None, logit_scale=3.0, **kwargs):
-    """(hidden, weight, ids, the loss, kwargs) of one case; the loss's old log-probs sit near the truth."""
+def problem(num_rows, width, vocab, num_ids, dtype, seed, rows=None, logit_scale=3.0, exact=False, **kwargs):
+    """(hidden, weight, ids, the loss, kwargs) of one case; the loss's old log-probs sit near the truth.
+    exact: an exact layer (lm_head_cases.random_layer)."""
     gen = torch.Generator().manual_seed(seed)
-    hidden, weight = random_layer(num_rows, width, vocab, dtype, gen, logit_scale)
+    hidden, weight = random_layer(num_rows, width, vocab, dtype, gen, logit_scale, exact)
     rows = None if rows is None else torch.tensor(rows, dtype=torch.long)
     ids = make_ids(num_rows if rows is None else rows.numel(), vocab, num_ids, gen)
     kwargs = dict(kwargs, rows=rows)
@@ -70,26 +70,43 @@ def test_fp32_loss_stats_and_gradients_match_float64_and_the_recompute_path(
     assert one_pass[0].dtype == torch.float32 and one_pass[0].dim() == 0
     assert all(t is None or t.dtype == torch.float32 for t in one_pass[1])
     assert_close_all(one_pass, recompute, FP32_TOL, "one pass vs recompute")
-    if scale <= 3.0:
-        assert_close_all(one_pass, truth, FP32_TOL, "one pass vs float64")
-    else:
-        # |logits| / T in the hundreds: the fp32 GEMM's own rounding, times 1 / T, dominates the
-        # gradients of every fp32 path; the bar is the unfused fp32 path's error
-        unfused = loss_with_grad(unfused_loss_head, hidden, weight, ids, row_loss, device=device, **kwargs)
-        assert_close_all(one_pass, truth, 1e-3, "one pass vs float64")
-        for grad, ref, base in zip(one_pass[2], truth[2], unfused[2]):
-            assert rel_err(grad, ref) <= 2 * rel_err(base, ref)
+    assert_close_all(one_pass, truth, FP32_TOL, "one pass vs float64")
     if rows is not None:
         unselected = torch.ones(num_rows, dtype=torch.bool)
         unselected[rows] = False
         assert torch.equal(one_pass[2][0][unselected], torch.zeros_like(one_pass[2][0][unselected]))
 
 
+def test_fp32_at_large_logit_scale_no_worse_than_the_unfused_path(device):
+    """|logits| / T in the hundreds: each probability's exponent (x - m) / T rounds at |x - m| / T
+    times 2^-24, so every fp32 path's gradients sit near 1e-5 of the truth, and the entropy of so
+    peaked a distribution (1e-8 and less) is a difference of nearly equal numbers: the bar is the
+    unfused fp32 path's error (numerics.assert_no_worse_than, over 8 seeds), for the loss, every
+    statistic and both gradients. An exact layer keeps the GEMM library's summation order out of
+    the verdict."""
+    names = ("loss", *TokenStats._fields, "d hidden", "d weight")
+    per_seed = {name: [] for name in names}
+    for seed in range(8):
+        hidden, weight, ids, row_loss, kwargs = problem(
+            16, 32, 501, 2, torch.float32, 500 + seed, logit_scale=30.0, exact=True, temperature=0.1,
+            with_entropy=True, chunk_rows=6,
+        )  # fmt: skip
+        one_pass, truth, unfused = (
+            loss_with_grad(head, hidden, weight, ids, row_loss, device=None if head is truth_loss_head else device, **kwargs)
+            for head in (one_pass_head, truth_loss_head, unfused_loss_head)
+        )  # fmt: skip
+        flat = [[loss, *stats, *grads] for loss, stats, grads in (one_pass, truth, unfused)]
+        for name, ours, ref, base in zip(names, *flat):
+            per_seed[name].append((rel_err(ours, ref), rel_err(base, ref), 1e-7))
+    for name, errors in per_seed.items():
+        assert_no_worse_than(errors, f"{name}: one pass vs unfused fp32")
+
+
 @pytest.mark.parametrize("vocab,rows", [(7, None), (4099, [9, 1, 2, 14, 6])])
 def test_bf16_no_worse_than_the_unfused_path(vocab, rows, device):
     hidden, weight, ids, row_loss, kwargs = problem(
-        16, 64, vocab, 9, torch.bfloat16, vocab, rows, temperature=0.7, with_entropy=True
-    )
+        16, 64, vocab, 9, torch.bfloat16, vocab, rows, exact=True, temperature=0.7, with_entropy=True
+    )  # exact: the bf16 logits are the float64 product rounded once, whatever the GEMM's blocking
     one_pass = loss_with_grad(one_pass_head, hidden, weight, ids, row_loss, device=device, chunk_rows=3, **kwargs)
     truth = loss_with_grad(truth_loss_head, hidden, weight, ids, row_loss, **kwargs)
     unfused = loss_with_grad(unfused_loss_head, hidden, weight, ids, row_loss, device=device, **kwargs)

@@ -9,7 +9,7 @@ the float64 truth is computed on CPU.
 import pytest
 import torch
 from bench_package import import_bench
-from numerics import rel_err
+from numerics import assert_no_worse_than, rel_err
 from token_stats_cases import loss_of, make_ids, random_logits, run_with_grad, upstream_grads
 
 import_bench()
@@ -68,20 +68,26 @@ def test_a_loss_of_one_output_alone_gets_the_exact_gradient(used, device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [7, 4099])
 def test_low_precision_no_worse_than_eager(dtype, vocab, device):
-    gen = torch.Generator().manual_seed(vocab)
-    logits = random_logits(24, vocab, dtype, gen)
-    ids = make_ids(24, vocab, 9, gen)
-    kwargs = dict(temperature=0.7, with_entropy=True)
-    stats, grads, grad = run_with_grad(token_stats, logits, ids, device=device, **kwargs)
-    truth, _, truth_grad = run_with_grad(token_stats_reference, logits.double(), ids, grads, **kwargs)
-    eager, _, eager_grad = run_with_grad(
-        lambda x, i, **kw: eager_same_dtype(x, i, kw["temperature"], True), logits, ids, grads, device=device, **kwargs
-    )
-    assert grad.dtype == dtype
-    slack = 1e-6
-    for out, ref, base in zip(stats, truth, eager):
-        assert rel_err(out, ref) <= rel_err(base, ref) + slack
-    assert rel_err(grad, truth_grad) <= rel_err(eager_grad, truth_grad) * 1.05 + slack
+    """Outputs and the logits gradient no worse than eager torch in the logits' dtype, over 5 seeds
+    (numerics.assert_no_worse_than, bar 1.05: the kernel's one rounding of an fp32 gradient
+    against eager's several; one seed's ratio moves with the machine's low-precision arithmetic)."""
+    per_seed = {name: [] for name in (*TokenStats._fields, "grad")}
+    for seed in range(5):
+        gen = torch.Generator().manual_seed(vocab + 1000 * seed)
+        logits = random_logits(24, vocab, dtype, gen)
+        ids = make_ids(24, vocab, 9, gen)
+        kwargs = dict(temperature=0.7, with_entropy=True)
+        stats, grads, grad = run_with_grad(token_stats, logits, ids, device=device, **kwargs)
+        truth, _, truth_grad = run_with_grad(token_stats_reference, logits.double(), ids, grads, **kwargs)
+        eager, _, eager_grad = run_with_grad(
+            lambda x, i, **kw: eager_same_dtype(x, i, kw["temperature"], True), logits, ids, grads, device=device,
+            **kwargs,
+        )  # fmt: skip
+        assert grad.dtype == dtype
+        for name, out, ref, base in zip(per_seed, (*stats, grad), (*truth, truth_grad), (*eager, eager_grad)):
+            per_seed[name].append((rel_err(out, ref), rel_err(base, ref), 1e-6))
+    for name, errors in per_seed.items():
+        assert_no_worse_than(errors, f"{dtype} V={vocab} {name}: fused vs eager in that dtype", bar=1.05)
 
 
 def test_rows_reads_only_selected_rows_and_zeroes_the_rest(device):

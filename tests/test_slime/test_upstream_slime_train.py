@@ -22,7 +22,7 @@ import pytest
 import torch
 import upstream_slime
 from distributed import run_on_ranks
-from numerics import rel_err
+from numerics import FLOOR, rel_err
 
 upstream_slime.require()
 
@@ -30,6 +30,10 @@ VOCAB = 74  # 37 columns per rank at tp 2: odd, and no multiple of a kernel bloc
 GROUP_SIZE = 2  # samples per prompt
 NUM_PROMPTS = 4
 TOLERANCE = 1e-5
+# Metrics that are means of differences of near-equal log-probs (old minus new, rollout minus new):
+# their rounding is that of the log-probs, about 1 in size here, not of their small difference, so
+# their relative error takes the log-probs' size as its floor. Every other value is truly relative.
+LOG_PROB_DIFFERENCES = {"ppo_kl": 1.0, "train_rollout_logprob_abs_diff": 1.0}
 # slime's forward_step (backends/megatron_utils/model.py) asks get_batch for these keys.
 FORWARD_KEYS = [
     "tokens", "multimodal_train_inputs", "packed_seq_params", "total_lengths", "response_lengths", "loss_masks",
@@ -564,7 +568,8 @@ def compare(runs, run: str, metrics=None, truth="truth"):
     for (loss, logged), (ref_loss, ref_logged) in zip(got[0], truth[0], strict=True):
         errors["loss"] = max(errors.get("loss", 0.0), rel_err(loss, ref_loss))
         for key in metrics or ref_logged:
-            errors[key] = max(errors.get(key, 0.0), rel_err(torch.tensor(logged[key]), torch.tensor(ref_logged[key])))
+            error = rel_err(torch.tensor(logged[key]), torch.tensor(ref_logged[key]), LOG_PROB_DIFFERENCES.get(key, FLOOR))
+            errors[key] = max(errors.get(key, 0.0), error)
     return errors
 
 
