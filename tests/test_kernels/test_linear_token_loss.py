@@ -149,9 +149,11 @@ FP16_WEIGHT, FP16_INCOMING = 1 / 4000, 2.0**16 / 32  # a 4000-token response; a 
 def test_fp16_at_a_loss_scale_no_worse_than_the_unfused_path(path, device):
     """fp16 at realistic per-token weights and loss scales: the provisional grad_scale (no main_grad) and
     the main_grad path form the fp16 logits gradient at the incoming scale, as the unfused path does; at
-    unit scale (no grad_scale) its small entries flush to zero (hidden-gradient errors 10-20x the unfused
-    path's). Bar: the unfused fp16 path's error against float64, per seed over three seeds, x 1.25."""
-    for seed in range(3):
+    unit scale (no grad_scale) its small entries flush to zero (hidden-gradient errors 17-22x the unfused
+    path's, weight gradient 2.7-3.7x). Bar: the unfused fp16 path's error against float64, the median
+    over five seeds of the ratio at most 1.25 (the two paths round alike: ratios of 1.00)."""
+    per_seed = {"d hidden": [], "d weight": []}
+    for seed in range(5):
         hidden, weight, ids, base, kwargs = problem(16, 64, 32768, 1, torch.float16, seed, chunk_rows=8)
         row_loss = Weighted(base, FP16_WEIGHT)
         truth = loss_with_grad(scaled(truth_loss_head, FP16_INCOMING), hidden, weight, ids, row_loss, **kwargs)
@@ -159,20 +161,16 @@ def test_fp16_at_a_loss_scale_no_worse_than_the_unfused_path(path, device):
                                  **kwargs)  # fmt: skip
         moved = [t.to(device) for t in (hidden, weight, ids)]
         hidden_leaf, weight_leaf = moved[0].requires_grad_(), moved[1].requires_grad_()
-        if path == "buffer":
-            result = linear_token_loss(hidden_leaf, weight_leaf, moved[2], row_loss.to(device),
-                                       grad_scale=FP16_INCOMING, **kwargs)  # fmt: skip
-            main_grad = None
-        else:
-            main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=device)
-            result = linear_token_loss(hidden_leaf, weight_leaf, moved[2], row_loss.to(device), main_grad=main_grad,
-                                       grad_scale=FP16_INCOMING, **kwargs)  # fmt: skip
+        main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=device) if path == "main_grad" else None
+        result = linear_token_loss(hidden_leaf, weight_leaf, moved[2], row_loss.to(device), main_grad=main_grad,
+                                   grad_scale=FP16_INCOMING, **kwargs)  # fmt: skip
         (result.loss * torch.tensor(FP16_INCOMING, device=device)).backward()
         grads = (hidden_leaf.grad, weight_leaf.grad if main_grad is None else main_grad)
         assert grads[0].dtype == torch.float16
-        for name, grad, ref, base in zip(("d hidden", "d weight"), grads, truth[2], unfused[2]):
-            error, bar = rel_err(grad, ref), rel_err(base, ref)
-            assert error <= 1.25 * bar, f"seed {seed} {path} {name}: {error:.3g} vs unfused fp16 {bar:.3g}"
+        for name, grad, ref, base_grad in zip(per_seed, grads, truth[2], unfused[2]):
+            per_seed[name].append((rel_err(grad, ref), rel_err(base_grad, ref), 0.0))
+    for name, errors in per_seed.items():
+        assert_no_worse_than(errors, f"fp16 {path} {name}", bar=1.25)
 
 
 @pytest.mark.parametrize("used", TokenStats._fields)

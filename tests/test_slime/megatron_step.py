@@ -34,7 +34,9 @@ from slime_harness import make_samples, micro_batch, pack_rows, slime_args
 
 HIDDEN, VOCAB = 16, 40
 FIXED_STEPS = (((9, 6), (7, 5, 8), (6, 10)),)  # one step of three micro-batches: each a tuple of sample lengths
-PIPELINE_STEPS = (((9, 6), (7, 5), (6, 10), (8,)),)  # four: the interleaved schedule takes a multiple of pp
+# Four micro-batches of 16 tokens each: the interleaved schedule takes a multiple of pp micro-batches, and
+# on these CPU workers it mixed up micro-batches of different lengths (attention mask 16 long, hidden 15).
+PIPELINE_STEPS = (((9, 7), (6, 10), (5, 11), (8, 8)),)
 RESPONSE_FRACTION = 0.6  # response length = this share of the sample (at least 1)
 DYNAMIC_LENGTHS = (9, 6, 7, 5, 8, 6, 10, 4, 11, 3, 7, 9, 5, 12, 6, 8)  # samples, one rollout each
 DYNAMIC = dict(max_tokens_per_gpu=16, global_batch_size=8)  # two steps of 8 rollouts
