@@ -131,7 +131,7 @@ def _transformer_config(setup: Setup, info):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, use_cpu_initialization=True,
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=info.tp_size, use_cpu_initialization=True,
         tensor_model_parallel_size=info.tp_size, context_parallel_size=info.cp_size,
         calculate_per_token_loss=setup.per_token, fp16=setup.dtype == "fp16", bf16=setup.dtype == "bf16",
     )  # fmt: skip
