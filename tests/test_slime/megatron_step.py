@@ -37,6 +37,9 @@ FIXED_STEPS = (((9, 6), (7, 5, 8), (6, 10)),)  # one step of three micro-batches
 # Four micro-batches of 16 tokens each: the interleaved schedule takes a multiple of pp micro-batches, and
 # on these CPU workers it mixed up micro-batches of different lengths (attention mask 16 long, hidden 15).
 PIPELINE_STEPS = (((9, 7), (6, 10), (5, 11), (8, 8)),)
+# Samples of a multiple of 2 cp tokens: every cp rank's zigzag chunks (the first and last of four at cp 2)
+# hold response rows; shorter or padded ones leave cp rank 0 with none.
+CP_STEPS = (((12, 8), (16,), (8, 12)),)
 RESPONSE_FRACTION = 0.6  # response length = this share of the sample (at least 1)
 DYNAMIC_LENGTHS = (9, 6, 7, 5, 8, 6, 10, 4, 11, 3, 7, 9, 5, 12, 6, 8)  # samples, one rollout each
 DYNAMIC = dict(max_tokens_per_gpu=16, global_batch_size=8)  # two steps of 8 rollouts

@@ -18,7 +18,7 @@ within 1e-5 (fp32); the output weight's gradient went into `main_grad` in the fo
 import pytest
 import upstream_slime
 from distributed import get_pool
-from megatron_step import PIPELINE_STEPS, Setup, assert_fused_matches_unfused, step_results
+from megatron_step import CP_STEPS, PIPELINE_STEPS, Setup, assert_fused_matches_unfused, step_results
 
 upstream_slime.require()
 
@@ -26,7 +26,7 @@ CASES = {  # name: (tp, cp, pp, vp, setup)
     "pp2-tied-1f1b": (1, 1, 2, None, Setup(model="gpt", tied=True, steps=PIPELINE_STEPS)),
     "pp2-vp2-tied-interleaved": (1, 1, 2, 2, Setup(model="gpt", tied=True, steps=PIPELINE_STEPS)),
     "pp2-vp2-untied-interleaved-token_mean": (1, 1, 2, 2, Setup(model="gpt", aggregation="token_mean", steps=PIPELINE_STEPS)),
-    "tp2-cp2": (2, 2, 1, None, Setup(overlap=True, distributed_optimizer=True)),
+    "tp2-cp2": (2, 2, 1, None, Setup(overlap=True, distributed_optimizer=True, steps=CP_STEPS)),
 }
 
 
@@ -40,5 +40,6 @@ def test_main_grad_equals_the_unfused_path(name):
     for results in last_stage:
         assert not bool(results[False]["after first loss"].any())
         assert bool(results[True]["after first loss"].any())
+        assert all(bool(grad.any()) for grad in results[True]["hidden_grads"])  # every rank holds response rows
         if pp == 1:  # a pipeline's first stage would wait forever for the last stage that raised
             assert "grad_scale" in results[True]["scale error"]
