@@ -27,6 +27,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import queue
 import tempfile
 import traceback
 import warnings
@@ -191,11 +192,15 @@ class DistributedPool:
 
     def run(self, fn, *args) -> list:
         """[fn(RankInfo, *args)] on every rank, in rank order; a failing rank raises here."""
-        for queue in self._tasks:
-            queue.put((fn, args))
+        for tasks in self._tasks:
+            tasks.put((fn, args))
         by_rank, errors = {}, []
         for _ in range(self.world_size):
-            rank, value, error = self._results.get(timeout=self.timeout)
+            try:
+                rank, value, error = self._results.get(timeout=self.timeout)
+            except queue.Empty:  # a rank waits forever on one that failed: say which failed, and how
+                waiting = sorted(set(range(self.world_size)) - set(by_rank))
+                raise RuntimeError("\n".join([f"ranks {waiting} gave no result in {self.timeout:.0f} s", *errors])) from None
             if error is not None:
                 errors.append(f"rank {rank} failed:\n{error}")
             by_rank[rank] = None if value is None else pickle.loads(value)
@@ -204,8 +209,8 @@ class DistributedPool:
         return [by_rank[rank] for rank in range(self.world_size)]
 
     def close(self) -> None:
-        for queue in self._tasks:
-            queue.put(None)
+        for tasks in self._tasks:
+            tasks.put(None)
         for proc in self._procs:
             proc.join(timeout=30)
             if proc.is_alive():
