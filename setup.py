@@ -47,7 +47,7 @@ setup(
     install_requires=["torch>=2.4", "numpy", 'triton>=3.6; platform_system == "Linux"'],
     extras_require={
         "test": [
-            "megatron-core>=0.12",
+            "megatron-core>=0.16,<0.20",  # tested: 0.16.1 (the test stack), 0.19.2 (.ci/megatron-core-newest)
             "pytest>=8",
             "pytest-timeout",
             "hypothesis",

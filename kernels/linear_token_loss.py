@@ -19,6 +19,13 @@ the backward checks it equals `grad_scale` and raises a ValueError naming both o
 silently wrong gradient. The hidden-state gradient takes the same scale in the forward (the token-
 statistics coefficients are multiplied by it, so each gradient element is rounded once).
 
+Why the scale belongs in the forward even without `main_grad`: each chunk's logits gradient is
+formed in the layer's dtype, and at unit scale an fp16 one flushes to zero where per-token weights
+(1 / response length) meet small probabilities; the unfused path forms it at the loss scale. So
+`grad_scale` alone is a provisional scale: the gradients are formed at it and the backward
+rescales both by incoming / grad_scale (nothing to do when they are equal, as under a schedule
+that sends what it promised).
+
 Tensor parallelism as `linear_token_stats`: `weight` is this rank's vocabulary shard, the returned
 hidden-state gradient this rank's partial sum (reduce it with megatron's region functions), the
 loss and statistics the same on every rank. Each chunk holds one collective, so every rank must
@@ -168,7 +175,7 @@ class _OnePassLoss(torch.autograd.Function):
         wants_hidden, wants_weight = ctx.needs_input_grad[:2]
         loss, stats, grads = head.run(wants_hidden, wants_weight)
         stats_out.append(stats)
-        ctx.grads, ctx.grad_scale = grads, head.grad_scale
+        ctx.grads, ctx.grad_scale, ctx.into_main_grad = grads, head.grad_scale, head.main_grad is not None
         ctx.weight_dtype = weight.dtype
         return loss
 
@@ -181,15 +188,17 @@ class _OnePassLoss(torch.autograd.Function):
                 "its backward cannot run a second time (retain_graph)"
             )
         ctx.grads = None  # frees the buffers; a second backward would add the gradient twice
-        if ctx.grad_scale is not None:
+        if ctx.into_main_grad:
             _check_incoming_gradient(float(grad_out), ctx.grad_scale)
             weight = None  # already in main_grad, scaled
             return grads.hidden, weight, None, None
-        unit = bool(grad_out == 1)
-        hidden = grads.hidden if grads.hidden is None or unit else grads.hidden * grad_out
+        ratio = grad_out if ctx.grad_scale is None else grad_out.double() / ctx.grad_scale
+        unit = bool(ratio == 1)
+        ratio = ratio.float()
+        hidden = grads.hidden if grads.hidden is None or unit else grads.hidden * ratio
         weight = grads.weight
         if weight is not None:
-            weight = (weight if unit else weight * grad_out).to(ctx.weight_dtype)
+            weight = (weight if unit else weight * ratio).to(ctx.weight_dtype)
         return hidden, weight, None, None
 
 
@@ -210,16 +219,20 @@ def _describe(value) -> str:
 
 
 def _check_main_grad(main_grad, grad_scale, weight) -> Optional[float]:
-    """main_grad: an fp32 tensor of weight's shape and device; grad_scale: a finite number; both or
-    neither. Returns grad_scale as a float (None without main_grad)."""
-    if (main_grad is None) != (grad_scale is None):
-        given, missing = ("main_grad", "grad_scale") if grad_scale is None else ("grad_scale", "main_grad")
+    """main_grad: an fp32 tensor of weight's shape and device, only with grad_scale; grad_scale: a
+    finite nonzero number. Returns grad_scale as a float (or None)."""
+    if main_grad is not None and grad_scale is None:
         raise ValueError(
-            f"{given} needs {missing}: the weight gradient goes into main_grad already scaled by grad_scale, "
-            f"got {missing}=None"
+            "main_grad needs grad_scale: the weight gradient goes into main_grad already scaled by grad_scale, "
+            "got grad_scale=None"
         )
+    if grad_scale is not None and (
+        isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale)
+        or grad_scale == 0
+    ):  # fmt: skip
+        raise ValueError(f"grad_scale must be a finite nonzero number, got {grad_scale!r}")
     if main_grad is None:
-        return None
+        return None if grad_scale is None else float(grad_scale)
     if not isinstance(main_grad, torch.Tensor):
         raise ValueError(f"main_grad must be a torch.Tensor, got {type(main_grad).__name__}")
     if main_grad.dtype != torch.float32:
@@ -228,8 +241,6 @@ def _check_main_grad(main_grad, grad_scale, weight) -> Optional[float]:
         raise ValueError(f"main_grad must have weight's shape {tuple(weight.shape)}, got {tuple(main_grad.shape)}")
     if main_grad.device != weight.device:
         raise ValueError(f"main_grad is on {main_grad.device} but weight on {weight.device}")
-    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale):
-        raise ValueError(f"grad_scale must be a finite number, got {grad_scale!r}")
     return float(grad_scale)
 
 
@@ -267,11 +278,13 @@ def linear_token_loss(
         (slice the per-row inputs such as advantages with `slots`); the returned loss is the sum of
         the chunk values. The statistics are its only differentiable inputs: other tensors it reads
         are constants. An empty selection calls it once with an empty chunk.
-    main_grad, grad_scale: both or neither. main_grad: an fp32 tensor of weight's shape and device
-        (megatron-core's `param.main_grad`); the forward adds grad_scale * d loss / d weight to it,
-        and the backward returns no weight gradient and raises a ValueError unless the incoming
-        gradient equals grad_scale (to fp32 rounding). Without them the weight gradient is held in
-        an fp32 [V_local, H] buffer from the forward to the backward.
+    main_grad, grad_scale: main_grad only with grad_scale. main_grad: an fp32 tensor of weight's
+        shape and device (megatron-core's `param.main_grad`); the forward adds grad_scale * d loss /
+        d weight to it, and the backward returns no weight gradient and raises a ValueError unless
+        the incoming gradient equals grad_scale (to fp32 rounding). Without main_grad the weight
+        gradient is held in an fp32 [V_local, H] buffer from the forward to the backward; grad_scale
+        alone (a finite nonzero number, the incoming gradient expected) forms both gradients at that
+        scale, and the backward rescales them by incoming / grad_scale (fp16: no flush to zero).
 
     Returns `LinearTokenLoss(loss, stats)`: the 0-d float32 loss, differentiable with respect to
     hidden and weight, and the same forward's statistics, detached. Without grad mode, or when

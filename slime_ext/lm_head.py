@@ -32,17 +32,21 @@ from .flags.lm_head import FLAG
 
 
 class _HandOffs:
-    """The layers handed off in this process and the weight and config of the most recent
-    hand-off call.
+    """The layers handed off in this process, the weight and config of the most recent hand-off
+    call, and the config of the first model chunk built for the actor.
 
     slime's forward step runs the model and then its loss on the result, so the weight recorded by
-    the call that produced a model output is the one the loss reads. The config is the model's
-    (megatron-core layers share it), where slime sets `grad_scale_func` (`main_grad`)."""
+    the call that produced a model output is the one the loss reads. The schedule scales the loss
+    by the config of `model[0]` (`get_model_config(model[0])`, where slime sets `grad_scale_func`
+    and megatron's schedules read `calculate_per_token_loss`); under virtual pipeline stages each
+    chunk has its own config and the output layer sits on the last, so the provider records the
+    first chunk's (`record_schedule_config`)."""
 
     def __init__(self):
         self.layers: List[torch.nn.Module] = []
         self.weight: Optional[torch.Tensor] = None
         self.config = None
+        self.schedule_config = None
 
 
 _STATE = _HandOffs()
@@ -61,12 +65,15 @@ def _handed_off_forward(layer, input_, weight=None, runtime_gather_output=None):
     """`ColumnParallelLinear.forward` of a handed-off output layer: `(hidden states, None)`."""
     if runtime_gather_output:
         raise ValueError(f"{FLAG}: the output layer was asked for gathered logits (runtime_gather_output=True)")
+    given = weight is not None
+    weight = weight if given else layer.weight
     if weight is None:
-        weight = layer.weight
-    elif tuple(weight.shape) != (layer.output_size_per_partition, layer.input_size):
+        raise ValueError(f"{FLAG}: the output layer has no weight of its own (tied) and was given none")
+    if tuple(weight.shape) != (layer.output_size_per_partition, layer.input_size):
         raise ValueError(
-            f"{FLAG}: the output layer was given a weight of shape {tuple(weight.shape)}, expected "
-            f"{(layer.output_size_per_partition, layer.input_size)}"
+            f"{FLAG}: the output layer {'was given' if given else 'has'} a weight of shape {tuple(weight.shape)}, "
+            f"expected {(layer.output_size_per_partition, layer.input_size)} (its vocabulary slice, whole: a weight "
+            "sharded further, as by --tensor-parallel-num-weight-shards, is not supported)"
         )
     _STATE.weight, _STATE.config = weight, layer.config
     return megatron.column_parallel_input(layer, input_), None
@@ -98,10 +105,16 @@ def hand_off(layer) -> None:
 
 
 def restore() -> None:
-    """Give every handed-off layer its own forward back."""
+    """Give every handed-off layer its own forward back (and forget the recorded configs)."""
     while _STATE.layers:
         del _STATE.layers.pop().forward
-    _STATE.weight = _STATE.config = None
+    _STATE.weight = _STATE.config = _STATE.schedule_config = None
+
+
+def record_schedule_config(config) -> None:
+    """Record the config of the actor's first model chunk (`model[0]`: the chunk built with
+    vp_stage 0, or the only one), the one megatron's schedule scales the loss by."""
+    _STATE.schedule_config = config
 
 
 def output_weight() -> Optional[torch.Tensor]:
@@ -109,9 +122,10 @@ def output_weight() -> Optional[torch.Tensor]:
     return _STATE.weight
 
 
-def output_config():
-    """The megatron-core config of the layer of the most recent hand-off (None: no hand-off)."""
-    return _STATE.config
+def schedule_config():
+    """The megatron-core config the schedule scales the loss by: the recorded first chunk's, else
+    (a layer handed off outside slime's provider, one chunk) the most recent hand-off layer's."""
+    return _STATE.config if _STATE.schedule_config is None else _STATE.schedule_config
 
 
 def hidden_rows(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,22 @@ loss reaches the op with coefficient 1, so the incoming gradient is that chain's
 replayed here in float32 in the backward's order so that it is the very number autograd
 produces. The step sizes are only known inside slime's `loss_function`: the init hook (with
 --fusedrl-fused-lm-head) wraps it so that they are published while it runs (`publishing`).
-Without them (a loss called outside slime's wrapper), under --recompute-loss-function (the loss
-runs twice: the forward would add twice), or for a weight without megatron's fp32 `main_grad`,
-the op uses its per-call fp32 buffer, scaled in the backward: no scale is assumed.
+The config is the one the schedule scales by: `get_model_config(model[0])`, where slime sets
+`grad_scale_func`; under virtual pipeline stages each stage has its own config and the output
+layer's is not that one (`lm_head.schedule_config`).
+
+Under --recompute-loss-function (the loss runs twice: the forward would add twice), or for a
+weight without megatron's fp32 `main_grad` (fp16 or bf16 grad buffers: --fp16 without
+--accumulate-allreduce-grads-in-fp32, --grad-reduce-in-bf16), the op uses its per-call fp32
+buffer, its gradients formed at the same scale (a provisional one: the backward rescales by what
+arrives), so that an fp16 logits gradient is formed at the loss scale as on the unfused path and
+does not flush to zero. Without the step sizes (a loss called outside slime's wrapper) no scale is
+known: the buffer at unit scale, and under fp16 the recompute path instead (`one_pass.applies`).
+
+Megatron's DDP hook drops a `.grad` of a weight whose `grad_added_to_main_grad` is set (unless
+`zero_out_wgrad`), and the flag stays set until the next step's `zero_grad_buffer`: a weight whose
+gradient went into `main_grad` in one micro-batch and into `.grad` in a later one would lose that
+`.grad` silently. The paths that give the weight a `.grad` check for it (`checked_grad_path`).
 """
 
 import contextvars
@@ -93,32 +106,54 @@ def _slime_normaliser(args, batch) -> int:
     return int(per_sample.sum())  # one host read for the micro-batch
 
 
+def scale_known() -> bool:
+    """Whether the incoming gradient can be known here: inside slime's (wrapped) `loss_function`."""
+    return _SCHEDULE.get() is not None
+
+
 class Target(NamedTuple):
-    """Where the op puts the weight gradient: megatron's `main_grad`, at the incoming scale."""
+    """How the op forms the weight gradient: megatron's `main_grad` (None: the op's buffer) and the
+    incoming gradient's scale (None: not known, unit scale)."""
 
-    main_grad: torch.Tensor
-    grad_scale: float
+    main_grad: Optional[torch.Tensor]
+    grad_scale: Optional[float]
 
 
-def target(weight: torch.Tensor, config, args, batch) -> Optional[Target]:
-    """`main_grad` and its scale when the weight is a megatron DDP parameter with an fp32
-    `main_grad` and the scale is known (see the module docstring), else None (the op's buffer)."""
-    main_grad = getattr(weight, "main_grad", None)
+def target(weight: torch.Tensor, config, args, batch) -> Target:
+    """The scale when it is known (see the module docstring) and a gradient is being recorded, and
+    `main_grad` with it when the weight is a megatron DDP parameter with an fp32 `main_grad` that
+    the forward may add to once. `config`: the schedule's (`lm_head.schedule_config`)."""
     schedule = _SCHEDULE.get()
+    if schedule is None or not (weight.requires_grad and torch.is_grad_enabled()):
+        return Target(None, None)
+    grad_scale = incoming_gradient(args, batch, config, schedule, weight.device)
+    main_grad = getattr(weight, "main_grad", None)
     usable = (
         main_grad is not None
         and hasattr(weight, "grad_added_to_main_grad")
         and not hasattr(weight, "__fsdp_param__")
         and main_grad.dtype == torch.float32
         and tuple(main_grad.shape) == tuple(weight.shape)
-        and weight.requires_grad
-        and torch.is_grad_enabled()
-        and schedule is not None
         and not getattr(args, "recompute_loss_function", False)
     )
-    if not usable:
-        return None
-    return Target(main_grad, incoming_gradient(args, batch, config, schedule, weight.device))
+    return Target(main_grad if usable else None, grad_scale)
+
+
+_PLACEHOLDERS = {}  # (shape, dtype, device) -> megatron's dummy weight gradient, reused
+
+
+def placeholder_gradient(weight: torch.Tensor) -> torch.Tensor:
+    """The dummy `[V/tp, H]` gradient the weight receives in the backward, one buffer reused by every
+    micro-batch (what megatron-core takes from Transformer Engine's `get_dummy_wgrad`): zeroed on
+    every call when `zero_out_wgrad` is set (tied embeddings on one stage: the lookup's gradient is
+    added to it and DDP's hook adds the sum), else left as it is (the hook drops it)."""
+    key = (tuple(weight.shape), weight.dtype, weight.device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    placeholder = _PLACEHOLDERS[key]
+    if getattr(weight, "zero_out_wgrad", False):
+        placeholder.zero_()
+    return placeholder.detach()
 
 
 class _GradAddedToMainGrad(torch.autograd.Function):
@@ -133,11 +168,45 @@ class _GradAddedToMainGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
-        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
         weight.grad_added_to_main_grad = True
-        return make(weight.shape, dtype=weight.dtype, device=weight.device)
+        return placeholder_gradient(weight)
 
 
 def joined(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`loss` with the weight's megatron protocol attached (same value)."""
     return loss + _GradAddedToMainGrad.apply(weight)
+
+
+def check_grad_path(weight: torch.Tensor) -> None:
+    """ValueError when a `.grad` for `weight` would be dropped by megatron's DDP hook because an
+    earlier micro-batch of this step put the gradient into `main_grad`."""
+    if getattr(weight, "grad_added_to_main_grad", False) and not getattr(weight, "zero_out_wgrad", False):
+        raise ValueError(
+            "fused LM head: the output weight's gradient went into megatron's main_grad earlier in this step "
+            "(grad_added_to_main_grad is set) and now takes the .grad path, which megatron-core's "
+            "DistributedDataParallel would drop: every micro-batch of a step must take the same path "
+            "(the same loss inside slime's loss_function, the same --recompute-loss-function)"
+        )
+
+
+class _GradPathCheck(torch.autograd.Function):
+    """The weight, unchanged; its backward runs `check_grad_path` before the `.grad` reaches it."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        ctx.weight = weight
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_grad_path(ctx.weight)
+        return grad
+
+
+def checked_grad_path(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` for a path that gives it a `.grad`: a megatron DDP parameter's gradient passes
+    `check_grad_path` in the backward (where every earlier micro-batch's backward has run)."""
+    if not (hasattr(weight, "grad_added_to_main_grad") and weight.requires_grad and torch.is_grad_enabled()):
+        return weight
+    check_grad_path(weight)
+    return _GradPathCheck.apply(weight)

@@ -13,8 +13,11 @@ the op computes the gradient in its forward, chunk by chunk (three GEMMs instead
 runs. It does not under allgather context parallelism (the inputs arrive in slime's zigzag layout
 and the kernel rows are a piece of the global stream: the inverse redistribution is not
 implemented, the recompute path keeps `ResponseTokens.per_sample`'s), nor where no gradient is
-being recorded (the op's forward would compute one for nothing). slime's own losses through
-`install` keep the recompute path: they read log-probs from `get_log_probs_and_entropy`.
+being recorded (the op's forward would compute one for nothing), nor for fp16 weights where the
+incoming gradient is not known (a loss called outside slime's `loss_function`: the op would form
+the fp16 logits gradient at unit scale, where small entries flush to zero; the recompute path
+forms it in the backward, at the scale that arrives, as the unfused path). slime's own losses
+through `install` keep the recompute path: they read log-probs from `get_log_probs_and_entropy`.
 """
 
 from typing import Callable
@@ -36,6 +39,9 @@ def applies(tokens: ResponseTokens, loss_name: str) -> bool:
         return False
     if not torch.is_grad_enabled():
         lm_head.log_path_once(loss_name, "recompute path (no gradient recorded)")
+        return False
+    if lm_head.output_weight().dtype == torch.float16 and not main_grad.scale_known():
+        lm_head.log_path_once(loss_name, "recompute path (fp16 with no loss scale known: outside slime's loss_function)")
         return False
     lm_head.log_path_once(loss_name, "one-pass path (gradient in the forward)")
     return True
@@ -70,16 +76,17 @@ def linear_token_loss(
     with_entropy: bool,
     validate: bool,
 ) -> LinearTokenLoss:
-    """The op over the response rows of the handed-off hidden states `output`, with the output
-    weight's gradient into megatron's `main_grad` where `main_grad.target` allows."""
+    """The op over the response rows of the handed-off hidden states `output`, its gradients
+    formed at the incoming scale and the output weight's into megatron's `main_grad` where
+    `main_grad.target` allows (else a `.grad`, checked against an earlier main_grad path)."""
     weight = lm_head.output_weight()
     hidden = lm_head.hidden_rows(output, weight)
-    into = main_grad.target(weight, lm_head.output_config(), args, batch)
+    into = main_grad.target(weight, lm_head.schedule_config(), args, batch)
     result = kernel_linear_token_loss(
-        hidden, weight, ids, row_loss, temperature=temperature, with_entropy=with_entropy,
-        tp_group=megatron.tp_group(), rows=tokens.rows, validate=validate,
-        main_grad=None if into is None else into.main_grad, grad_scale=None if into is None else into.grad_scale,
+        hidden, weight if into.main_grad is not None else main_grad.checked_grad_path(weight), ids, row_loss,
+        temperature=temperature, with_entropy=with_entropy, tp_group=megatron.tp_group(), rows=tokens.rows,
+        validate=validate, main_grad=into.main_grad, grad_scale=into.grad_scale,
     )  # fmt: skip
-    if into is None:
+    if into.main_grad is None:
         return result
     return result._replace(loss=main_grad.joined(result.loss, weight))

@@ -69,7 +69,8 @@ def _fused_calculate_log_probs(original):
 
 def handing_off_provider_func(original):
     """Replacement of slime's `get_model_provider_func(args, role)`: actor models hand off their
-    output layer (the last pipeline stage's); other roles are built unchanged."""
+    output layer (the last pipeline stage's) and the first chunk's config is recorded
+    (`lm_head.record_schedule_config`); other roles are built unchanged."""
 
     def get_model_provider_func(args, role="actor"):
         provider = original(args, role)
@@ -79,6 +80,8 @@ def handing_off_provider_func(original):
         @functools.wraps(provider)
         def handing_off_provider(pre_process=True, post_process=True, **kwargs):
             model = provider(pre_process=pre_process, post_process=post_process, **kwargs)
+            if kwargs.get("vp_stage") in (None, 0):  # model[0], whose config the schedule scales by
+                lm_head.record_schedule_config(getattr(model, "config", None))
             if post_process:
                 layer = getattr(model, "output_layer", None)
                 if layer is None:

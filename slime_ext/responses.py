@@ -17,7 +17,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 
 from ..kernels import linear_token_stats, token_stats
-from . import lm_head, megatron
+from . import lm_head, main_grad, megatron
 from .context_parallel import SampleRows, allgather_to_zigzag, local_response_rows
 
 _values_checked = False
@@ -97,8 +97,9 @@ class ResponseTokens(NamedTuple):
         lm_head.log_path_once("log-probs", "recompute path (linear_token_stats)")
         hidden = lm_head.hidden_rows(output, weight)
         return linear_token_stats(
-            hidden, weight, ids, rows=self.rows, tp_group=megatron.tp_group(), validate=validate, **kwargs
-        )
+            hidden, main_grad.checked_grad_path(weight), ids, rows=self.rows, tp_group=megatron.tp_group(),
+            validate=validate, **kwargs,
+        )  # fmt: skip
 
     def per_sample(self, values: torch.Tensor) -> List[torch.Tensor]:
         """Per-row values `[N, ...]` split per sample, in the layout of slime's batch (zigzag)."""

@@ -1,8 +1,8 @@
 """The tests' one distributed-worker harness: CPU gloo process groups of spawned workers.
 
-`DistributedPool(tp, cp, dp)`: tp * cp * dp workers with `torch.distributed` initialised and, by
-default, megatron-core's parallel_state for those sizes (order tp-cp-dp, as slime's train actors
-have it); `pool.run(fn, *args)` returns `[fn(RankInfo, *args)]` in rank order, and a failing rank
+`DistributedPool(tp, cp, dp, pp, vp)`: tp * cp * dp * pp workers with `torch.distributed`
+initialised and, by default, megatron-core's parallel_state for those sizes (order tp-cp-dp-pp,
+as slime's train actors have it; vp: virtual pipeline stages per pipeline rank); `pool.run(fn, *args)` returns `[fn(RankInfo, *args)]` in rank order, and a failing rank
 raises in the caller with its traceback. `get_pool` keeps one pool per configuration for the whole
 session (workers start once and are reused by every test). `run_on_ranks(world_size, fn, *args)`
 runs `fn(rank, world_size, *args)` once on fresh workers without Megatron, for tests that set up
@@ -12,25 +12,33 @@ Workers run on CPU, in the Triton interpreter, also in a FUSEDRL_TEST_DEVICE=cud
 has no CUDA collectives, so tests on these groups stay on CPU (single-rank loss tests run on the
 test device in the test process instead: `slime_harness.run_loss_on_ranks`).
 
+megatron-core's schedules and pipeline communication allocate on the CUDA device by name
+(`torch.zeros(..., device="cuda")`, `torch.cuda.current_device()`, `weight.data.cuda()`,
+`torch.cuda.synchronize()`); on these CPU workers `cuda_on_cpu()` is the test-only stand-in for that
+device (see its docstring).
+
 Workers are spawned, not forked: a fork after the test process has run torch's OpenMP thread
 pool can deadlock the child's first parallel op. Results cross processes detached (autograd
 graphs do not), pickled in the worker so that one that cannot cross fails its task, not the queue.
 """
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import pickle
+import queue
 import tempfile
 import traceback
 import warnings
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 class RankInfo(NamedTuple):
-    """Where a worker sits in the megatron-core layout (order tp-cp-dp)."""
+    """Where a worker sits in the megatron-core layout (order tp-cp-dp-pp)."""
 
     rank: int
     world_size: int
@@ -40,6 +48,9 @@ class RankInfo(NamedTuple):
     cp_size: int
     dp_rank: int
     dp_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
+    vp_size: Optional[int] = None
 
 
 def _detached(value):
@@ -55,6 +66,56 @@ def _detached(value):
     return value
 
 
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    """Tensors megatron-core asks for on "cuda" (a factory's `device=` argument, `Tensor.cuda()`)
+    made or kept on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """`torch.cuda.current_stream()` on the CPU: gloo's collectives are synchronous, nothing to wait for."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@contextlib.contextmanager
+def cuda_on_cpu():
+    """Test-only stand-in for the CUDA device megatron-core's schedules, pipeline communication and
+    shared-embedding setup use by name: inside it, "cuda" tensors are CPU tensors,
+    `torch.cuda.current_device()` is "cpu", and `torch.cuda.synchronize()` and the streams of
+    `torch.cuda.current_stream()` (megatron-core 0.19's grad sync) do nothing (gloo's collectives are
+    synchronous). Without it megatron-core 0.16's `forward_backward_no_pipelining` stops at
+    `torch.zeros([], dtype=torch.int, device="cuda")`: "RuntimeError: Found no NVIDIA driver on your
+    system"; 0.19's `start_grad_sync` at `torch.cuda.current_stream()`: "AssertionError: Torch not
+    compiled with CUDA enabled"."""
+    names = ("current_device", "synchronize", "current_stream")
+    saved = {name: getattr(torch.cuda, name) for name in names}
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_stream = lambda device=None: _NoStream()
+    try:
+        with _CudaFactoriesOnCpu():
+            yield
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
+
+
 def _parallel_state():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -62,13 +123,14 @@ def _parallel_state():
     return parallel_state
 
 
-def _rank_info(rank, world_size, tp, cp, megatron) -> RankInfo:
+def _rank_info(rank, world_size, tp, cp, pp, vp, megatron) -> RankInfo:
     if not megatron:
         return RankInfo(rank, world_size, 0, 1, 0, 1, rank, world_size)
     parallel_state = _parallel_state()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False
-    )
+        tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp, create_gloo_process_groups=False,
+    )  # fmt: skip
     return RankInfo(
         rank,
         world_size,
@@ -78,16 +140,19 @@ def _rank_info(rank, world_size, tp, cp, megatron) -> RankInfo:
         cp,
         parallel_state.get_data_parallel_rank(),
         parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        pp,
+        vp,
     )
 
 
-def _worker(rank, world_size, init_file, tp, cp, megatron, tasks, results):
+def _worker(rank, world_size, init_file, sizes, megatron, tasks, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    info = _rank_info(rank, world_size, tp, cp, megatron)
+    info = _rank_info(rank, world_size, *sizes, megatron)
     while True:
         task = tasks.get()
         if task is None:
@@ -103,11 +168,12 @@ def _worker(rank, world_size, init_file, tp, cp, megatron, tasks, results):
 
 
 class DistributedPool:
-    """World of tp * cp * dp spawned CPU workers on one gloo group (megatron-core parallel_state
-    initialised unless `megatron=False`)."""
+    """World of tp * cp * dp * pp spawned CPU workers on one gloo group (megatron-core
+    parallel_state initialised unless `megatron=False`; vp virtual stages per pipeline rank)."""
 
-    def __init__(self, tp: int = 1, cp: int = 1, dp: int = 1, *, megatron: bool = True, timeout: float = 600.0):
-        self.world_size = tp * cp * dp
+    def __init__(self, tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1, vp: Optional[int] = None, *,
+                 megatron: bool = True, timeout: float = 600.0):  # fmt: skip
+        self.world_size = tp * cp * dp * pp
         self.timeout = timeout
         ctx = multiprocessing.get_context("spawn")
         self._init_file = tempfile.mktemp(prefix="fusedrl_gloo_")
@@ -116,7 +182,7 @@ class DistributedPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, self._init_file, tp, cp, megatron, self._tasks[rank], self._results),
+                args=(rank, self.world_size, self._init_file, (tp, cp, pp, vp), megatron, self._tasks[rank], self._results),
                 daemon=True,
             )
             for rank in range(self.world_size)
@@ -126,11 +192,15 @@ class DistributedPool:
 
     def run(self, fn, *args) -> list:
         """[fn(RankInfo, *args)] on every rank, in rank order; a failing rank raises here."""
-        for queue in self._tasks:
-            queue.put((fn, args))
+        for tasks in self._tasks:
+            tasks.put((fn, args))
         by_rank, errors = {}, []
         for _ in range(self.world_size):
-            rank, value, error = self._results.get(timeout=self.timeout)
+            try:
+                rank, value, error = self._results.get(timeout=self.timeout)
+            except queue.Empty:  # a rank waits forever on one that failed: say which failed, and how
+                waiting = sorted(set(range(self.world_size)) - set(by_rank))
+                raise RuntimeError("\n".join([f"ranks {waiting} gave no result in {self.timeout:.0f} s", *errors])) from None
             if error is not None:
                 errors.append(f"rank {rank} failed:\n{error}")
             by_rank[rank] = None if value is None else pickle.loads(value)
@@ -139,8 +209,8 @@ class DistributedPool:
         return [by_rank[rank] for rank in range(self.world_size)]
 
     def close(self) -> None:
-        for queue in self._tasks:
-            queue.put(None)
+        for tasks in self._tasks:
+            tasks.put(None)
         for proc in self._procs:
             proc.join(timeout=30)
             if proc.is_alive():
@@ -152,11 +222,11 @@ class DistributedPool:
 _POOLS = {}
 
 
-def get_pool(tp: int = 1, cp: int = 1, dp: int = 1) -> DistributedPool:
+def get_pool(tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1, vp: Optional[int] = None) -> DistributedPool:
     """The session's Megatron pool for this configuration, started on first use and closed at exit."""
-    key = (tp, cp, dp)
+    key = (tp, cp, dp, pp, vp)
     if key not in _POOLS:
-        _POOLS[key] = DistributedPool(tp, cp, dp)
+        _POOLS[key] = DistributedPool(tp, cp, dp, pp, vp)
     return _POOLS[key]
 
 

@@ -5,8 +5,10 @@ the log-prob path computes from them and the output weight (`slime_ext/lm_head.p
 would read the model output as logits is refused here: MTP (megatron-core computes its loss from
 the output layer's logits inside the model), slime's value loss, custom losses other than the
 package's (they receive the model output as logits), and megatron's deferred embedding weight
-gradient (it expects the output layer's own backward). A critic keeps the unfused path: only
-models built for the actor role hand off.
+gradient (it expects the output layer's own backward), and the newer megatron-core output layers
+the hand-off does not reproduce: a weight sharded beyond tensor parallelism
+(--tensor-parallel-num-weight-shards) and the MXFP8 projection (--fp8-output-proj). A critic keeps
+the unfused path: only models built for the actor role hand off.
 """
 
 from . import Switch
@@ -50,4 +52,16 @@ def validate_args(args) -> None:
         raise ValueError(
             f"{FLAG} cannot run with --defer-embedding-wgrad-compute: megatron would compute the output "
             "weight's gradient from logits gradients the fused head never forms"
+        )
+    weight_shards = getattr(args, "tensor_parallel_num_weight_shards", None)
+    if weight_shards and weight_shards > getattr(args, "tensor_model_parallel_size", 1):
+        raise ValueError(
+            f"{FLAG} cannot run with --tensor-parallel-num-weight-shards {weight_shards} above "
+            "--tensor-model-parallel-size (generalized tensor parallelism): the output weight would be a shard "
+            "of this rank's vocabulary slice, gathered only inside megatron's own layer forward"
+        )
+    if getattr(args, "fp8_output_proj", False):
+        raise ValueError(
+            f"{FLAG} cannot run with --fp8-output-proj: megatron builds the output layer as "
+            "TELMHeadColumnParallelLinear (an MXFP8 projection), whose quantized GEMM the fused head does not do"
         )

@@ -26,16 +26,17 @@ BAD_CALLS = LAYER_BAD_CALLS + [
                                                      r"torch.float32 tensor of shape \(4, 2\)"),  # fmt: skip
     (dict(row_loss=lambda stats, slots: stats.logp.sum().long()), r"got a torch.int64 tensor of shape \(\)"),
     (dict(main_grad=torch.zeros(10, 6)), r"main_grad needs grad_scale: .* got grad_scale=None"),
-    (dict(grad_scale=0.5), r"grad_scale needs main_grad: .* got main_grad=None"),
+    (dict(grad_scale=0.0), r"grad_scale must be a finite nonzero number, got 0\.0"),
+    (dict(grad_scale=math.nan), r"grad_scale must be a finite nonzero number, got nan"),
     (dict(main_grad=torch.zeros(10, 6).tolist(), grad_scale=0.5), r"main_grad must be a torch.Tensor, got list"),
     (dict(main_grad=torch.zeros(10, 6, dtype=torch.bfloat16), grad_scale=0.5),
      r"main_grad must be float32 \(megatron-core's main_grad\), got torch.bfloat16"),
     (dict(main_grad=torch.zeros(6, 10), grad_scale=0.5), r"main_grad must have weight's shape \(10, 6\), got \(6, 10\)"),
     (dict(main_grad=torch.zeros(10, 6, device="meta"), grad_scale=0.5), r"main_grad is on meta but weight on cpu"),
-    (dict(main_grad=torch.zeros(10, 6), grad_scale=math.nan), r"grad_scale must be a finite number, got nan"),
-    (dict(main_grad=torch.zeros(10, 6), grad_scale=math.inf), r"grad_scale must be a finite number, got inf"),
-    (dict(main_grad=torch.zeros(10, 6), grad_scale=True), r"grad_scale must be a finite number, got True"),
-    (dict(main_grad=torch.zeros(10, 6), grad_scale="0.5"), r"grad_scale must be a finite number, got '0.5'"),
+    (dict(main_grad=torch.zeros(10, 6), grad_scale=math.nan), r"grad_scale must be a finite nonzero number, got nan"),
+    (dict(main_grad=torch.zeros(10, 6), grad_scale=math.inf), r"grad_scale must be a finite nonzero number, got inf"),
+    (dict(main_grad=torch.zeros(10, 6), grad_scale=True), r"grad_scale must be a finite nonzero number, got True"),
+    (dict(main_grad=torch.zeros(10, 6), grad_scale="0.5"), r"grad_scale must be a finite nonzero number, got '0.5'"),
 ]
 
 

@@ -48,7 +48,9 @@ STUBS = {
     "ray": "the Ray cluster runtime (actors and object store) is not installed on the CPU test machine",
     "httpx": "slime's HTTP client for SGLang servers (SGLang installs it); the tests without SGLang send no request",
     "sglang_router": "SGLang's router is a compiled extension, not installed on CPU",
-    "megatron.training": "Megatron-LM's training package is not part of the megatron-core wheel",
+    # megatron-core 0.19's wheel ships one that needs Python >= 3.12: where it does not import, it
+    # is stubbed too (IMPORT_CHECKED)
+    "megatron.training": "Megatron-LM's training package is not part of the megatron-core wheel up to 0.16",
     "wandb": "experiment tracking client (network), imported by slime's logging setup",
     "torch_memory_saver": "GPU memory offloading, CUDA only",
     "zstandard": "the delta weight updater's compressor, not among the test dependencies",
@@ -89,8 +91,9 @@ def _stub_root(name: str):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves the stubbed packages (and any submodule of them) to `_StubModule`s; sits last on
-    `sys.meta_path`, so a really installed package always wins."""
+    """Resolves the stubbed packages (and any submodule of them) to `_StubModule`s. It sits first on
+    `sys.meta_path` but answers only for the packages left in STUBS, which are missing or do not
+    import here, so a really installed, working package always wins."""
 
     def find_spec(self, name, path=None, target=None):
         root = _stub_root(name)
@@ -164,7 +167,7 @@ def _installed(name: str) -> bool:
 
 
 def install_import_stubs() -> None:
-    """Register the stub finder once, after the real finders, for the packages that are missing.
+    """Register the stub finder once, for the packages that are missing or do not import.
 
     The stubs stay for the life of the process and would stand in for those packages for any code,
     so call it only in processes that run slime (spawned workers, the loop's process), never in the
@@ -174,8 +177,24 @@ def install_import_stubs() -> None:
     for name in list(STUBS):
         parent = name.rpartition(".")[0]
         if (not parent or importlib.util.find_spec(parent) is not None) and _installed(name):
-            del STUBS[name]
-    sys.meta_path.append(_StubFinder())
+            if name not in IMPORT_CHECKED or _imports(name):
+                del STUBS[name]
+    sys.meta_path.insert(0, _StubFinder())
+
+
+# Installed packages that may still not import on this Python, tried before they are trusted.
+IMPORT_CHECKED = {"megatron.training"}  # megatron-core 0.19's: `from typing import override` (Python >= 3.12)
+
+
+def _imports(name: str) -> bool:
+    """Whether `name` imports; a failed import leaves none of its modules behind."""
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[module]
+        return False
 
 
 def select_cpu_accelerator() -> None:

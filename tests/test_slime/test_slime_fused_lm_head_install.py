@@ -40,6 +40,8 @@ def test_the_flag_is_registered_off_by_default():
         (dict(loss_type="value_loss"), "--loss-type value_loss"),
         (dict(loss_type="custom_loss", custom_loss_function_path="my.loss"), "--custom-loss-function-path"),
         (dict(defer_embedding_wgrad_compute=True), "--defer-embedding-wgrad-compute"),
+        (dict(tensor_parallel_num_weight_shards=4, tensor_model_parallel_size=2), "--tensor-parallel-num-weight-shards 4"),
+        (dict(fp8_output_proj=True), "--fp8-output-proj"),
     ],
 )
 def test_configurations_that_need_real_logits_are_refused_naming_the_flag(overrides, named):
@@ -55,6 +57,12 @@ def test_configurations_that_need_real_logits_are_refused_naming_the_flag(overri
 )
 def test_losses_computed_from_log_probs_are_accepted(loss_type, path):
     flags.validate_args(_args(loss_type=loss_type, custom_loss_function_path=path, mtp_num_layers=None))
+
+
+@pytest.mark.parametrize("shards", [None, 2])
+def test_weight_shards_no_more_than_tensor_parallelism_are_accepted(shards):
+    """megatron-core 0.17+: as many weight shards as tensor-parallel ranks is plain tensor parallelism."""
+    flags.validate_args(_args(tensor_parallel_num_weight_shards=shards, tensor_model_parallel_size=2))
 
 
 def _slime_function():
@@ -139,14 +147,15 @@ def _hand_off_observations(info):
     seen["gather_output"] = _error(lm_head.hand_off, _layer(gather_output=True))
 
     class Model(torch.nn.Module):
-        def __init__(self, post_process, with_layer=True):
+        def __init__(self, post_process, with_layer=True, vp_stage=None):
             super().__init__()
+            self.config = ("config of chunk", vp_stage)  # each chunk its own, as slime's provider builds them
             if post_process and with_layer:
                 self.output_layer = _layer()
 
     def get_model_provider_func(args, role="actor"):
         def provider(pre_process=True, post_process=True, vp_stage=None):
-            return Model(post_process, with_layer=args != "no layer")
+            return Model(post_process, with_layer=args != "no layer", vp_stage=vp_stage)
 
         return provider
 
@@ -167,6 +176,14 @@ def _hand_off_observations(info):
     seen["gathered logits"] = _error(actor.output_layer, x, runtime_gather_output=True)
     seen["wrong weight"] = _error(actor.output_layer, x, weight=torch.randn(7, 4))
     seen["wrong output"] = _error(lm_head.hidden_rows, torch.randn(1, 5, 6), tied)
+    sharded = get_provider(None, "actor")(pre_process=True, post_process=True)
+    sharded.output_layer.weight = torch.nn.Parameter(torch.randn(3, 4))  # half of the rank's vocabulary slice
+    seen["sharded weight"] = _error(sharded.output_layer, x)
+    seen["one chunk: its config"] = lm_head.schedule_config() == ("config of chunk", None)
+    for vp_stage in (0, 1):  # virtual pipeline stages, the output layer on the last
+        get_provider(None, "actor")(pre_process=vp_stage == 0, post_process=vp_stage == 1, vp_stage=vp_stage)
+    actor.output_layer(x)
+    seen["virtual stages: model[0]'s config"] = lm_head.schedule_config() == ("config of chunk", 0)
     seen["rows in weight dtype"] = lm_head.hidden_rows(torch.randn(1, 5, 4), tied.bfloat16()).dtype
     lm_head.hand_off(actor.output_layer)  # again: harmless
     lm_head.restore()
@@ -176,10 +193,14 @@ def _hand_off_observations(info):
 
 def test_hand_off_on_megatron_core_output_layers():
     seen = get_pool(1, 1).run(_hand_off_observations)[0]
-    for case in ("not a ColumnParallelLinear", "bias", "gather_output", "no output layer", "gathered logits", "wrong weight", "wrong output"):
+    refused = ("not a ColumnParallelLinear", "bias", "gather_output", "no output layer", "gathered logits", "wrong weight",
+               "wrong output", "sharded weight")  # fmt: skip
+    for case in refused:
         assert FLAG in seen[case], (case, seen[case])
     assert "has a bias" in seen["bias"] and "gather_output=True" in seen["gather_output"]
     assert "[1, T, H = 4]" in seen["wrong output"] and "(7, 4)" in seen["wrong weight"]
-    for case in ("middle stage has no layer", "hands off", "records a tied weight", "critic untouched", "restored"):
+    assert "(3, 4)" in seen["sharded weight"] and "--tensor-parallel-num-weight-shards" in seen["sharded weight"]
+    for case in ("middle stage has no layer", "hands off", "records a tied weight", "critic untouched", "restored",
+                 "one chunk: its config", "virtual stages: model[0]'s config"):  # fmt: skip
         assert seen[case] is True, case
     assert seen["rows in weight dtype"] == torch.bfloat16
