@@ -33,6 +33,10 @@ from sglang_server import (
 )
 
 WORKERS_MAX_K = 8
+# uvicorn's supervisor kills a tokenizer worker that does not answer its health ping within
+# SGLang's timeout (10 s) and starts another; a worker still importing SGLang on a loaded 2-core
+# machine misses it every time ("Child process [...] died" every 10 s, the server never ready).
+SLOW_WORKER_HEALTHCHECK = {"SGLANG_UVICORN_WORKER_HEALTHCHECK_TIMEOUT": "600"}
 
 
 _MISSING_HOOK_LAUNCHER = """
@@ -77,7 +81,7 @@ def servers(tmp_path_factory):
         "unset": ({ENV_VAR: None, "SGLANG_PLUGINS": None}, ()),
         "stock": ({ENV_VAR: "1", "SGLANG_PLUGINS": "no_such_plugin"}, ()),
         "workers": (
-            {**PLUGIN_ENV, MAX_SAMPLES_ENV_VAR: str(WORKERS_MAX_K)},
+            {**PLUGIN_ENV, MAX_SAMPLES_ENV_VAR: str(WORKERS_MAX_K), **SLOW_WORKER_HEALTHCHECK},
             ("--tokenizer-worker-num", "2"),
         ),
     }
