@@ -124,8 +124,9 @@ def check_at_first_use(args) -> None:
     missing = {dest: default for dest, default in defaults.items() if not hasattr(args, dest)}
     policy.validate_args(argparse.Namespace(**{**vars(args), **missing}))  # slime's flags, named first
     if len(missing) == len(defaults):
+        dropped = ["--loss-aggregation"] + ([] if slime_options.defines(policy.FLAG) else [policy.FLAG])
         raise ValueError(
-            f"--loss-aggregation and the package's other flags are not on slime's args: slime's "
+            f"{', '.join(dropped)} and the package's other flags are not on slime's args: slime's "
             f"parser drops flags it does not define, so given to slime's own train.py they never arrive. Start "
             f"training through `{ENTRY_POINT} ...` (or set them in --custom-config-path's YAML)"
         )

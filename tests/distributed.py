@@ -162,9 +162,12 @@ def _worker(rank, world_size, init_file, sizes, megatron, tasks, results):
             results.put((rank, pickle.dumps(_detached(fn(info, *args))), None))
         except BaseException:  # reported to the parent, which raises it
             results.put((rank, None, traceback.format_exc()))
-    if megatron:
-        _parallel_state().destroy_model_parallel()
-    dist.destroy_process_group()
+    # Every result has been taken (the parent sends None after the last), so no collective is in
+    # flight: the worker ends without destroy_process_group, which with the many gloo groups slime
+    # and megatron-core create waits on its peers until close() kills it (30 s per worker).
+    results.close()
+    results.join_thread()  # this worker's results are in the pipe before it ends
+    os._exit(0)
 
 
 class DistributedPool:
@@ -172,7 +175,7 @@ class DistributedPool:
     parallel_state initialised unless `megatron=False`; vp virtual stages per pipeline rank)."""
 
     def __init__(self, tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1, vp: Optional[int] = None, *,
-                 megatron: bool = True, timeout: float = 600.0):  # fmt: skip
+                 megatron: bool = True, timeout: float = 1200.0):  # fmt: skip
         self.world_size = tp * cp * dp * pp
         self.timeout = timeout
         ctx = multiprocessing.get_context("spawn")

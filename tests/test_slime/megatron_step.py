@@ -35,7 +35,9 @@ from slime_harness import make_samples, micro_batch, pack_rows, slime_args
 HIDDEN, VOCAB = 16, 40
 FIXED_STEPS = (((9, 6), (7, 5, 8), (6, 10)),)  # one step of three micro-batches: each a tuple of sample lengths
 # Four micro-batches of 16 tokens each: the interleaved schedule takes a multiple of pp micro-batches, and
-# on these CPU workers it mixed up micro-batches of different lengths (attention mask 16 long, hidden 15).
+# sizes its p2p buffers by `seq_length` even under `variable_seq_lengths` (megatron-core 0.16's
+# `forward_backward_pipelining_with_interleaving`; Megatron-LM issue #2064), so micro-batches of other
+# lengths arrive cut or padded to it (attention mask 16 long, hidden 15): one length for all of them.
 PIPELINE_STEPS = (((9, 7), (6, 10), (5, 11), (8, 8)),)
 # Samples of a multiple of 2 cp tokens: every cp rank's zigzag chunks (the first and last of four at cp 2)
 # hold response rows; shorter or padded ones leave cp rank 0 with none.

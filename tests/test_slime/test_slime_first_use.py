@@ -23,7 +23,7 @@ def plain_slime_args(**overrides):
 @pytest.mark.parametrize(
     "overrides,named",
     [
-        (dict(), "--loss-aggregation and the package's other flags are not on slime's args"),
+        (dict(), "--loss-aggregation, --pg-loss-type and the package's other flags are not on slime's args"),
         (dict(use_opsm=True), "--use-opsm"),
         (dict(custom_loss_function_path="fusedrl.slime_ext.losses.policy.policy_loss", advantage_estimator="gspo"), "--advantage-estimator gspo"),
     ],
