@@ -3,8 +3,9 @@
 Pure text functions over `cuobjdump -sass` and `cuobjdump -res-usage` output, so the cost model's
 counting can be tested on hand-written kernels without a GPU. A loop is the address range of a
 backward branch; the main loop is the one whose global accesses are the widest, the longest of
-those if several (inner loops inside it are counted once per trip, as written). The compiler may unroll the main loop, so one trip
-through the SASS loop can cover several trips of the source loop; the cost model tells them apart
+those if several (inner loops inside it are counted once per trip, as written). The compiler may
+unroll the main loop, so one trip through the SASS loop can cover several trips of the source
+loop; the cost model tells them apart
 by the widest loads (bench/static/__init__.py). Widths come from the opcode suffix (LDG.E.128 = 128 bits,
 LDG.E = 32, LDG.E.U16 = 16).
 """

@@ -25,7 +25,6 @@ It needs the test stack (SGLang, megatron-core; docs/install.md) and slime's sou
 import argparse
 import csv
 import json
-import os
 import statistics
 import sys
 from dataclasses import replace
