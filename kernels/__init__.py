@@ -27,7 +27,7 @@ if _INSTALLED is not None:
         if _name == "fusedrl.kernels" or _name.startswith("fusedrl.kernels."):
             sys.modules[__name__ + _name[len("fusedrl.kernels") :]] = _module
 else:
-    from ._contract import TokenStats
+    from ._contract import TEMPERATURE_RANGE, TokenStats
     from .linear_token_loss import LinearTokenLoss, linear_token_loss
     from .linear_token_stats import linear_token_stats
     from .reference import segment_sum_reference, token_logprobs_reference, token_stats_reference
@@ -36,6 +36,7 @@ else:
 
 __all__ = [
     "LinearTokenLoss",
+    "TEMPERATURE_RANGE",
     "linear_token_loss",
     "linear_token_stats",
     "segment_sum",

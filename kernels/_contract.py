@@ -10,6 +10,7 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -52,19 +53,59 @@ def as_2d_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+# The temperatures the kernels answer exactly. The kernels carry log2(e) / T and 1 / T as fp32 and
+# the entropy's gradient a factor g_H / T^2: below 1e-6 that factor overflows fp32 for entropy
+# gradients above ~3e8 (at 1e-19 for any), above 1e6 nothing breaks until log2(e) / T leaves fp32's
+# normal range (~1e38); a symmetric range keeps a wide margin on both sides of what samplers use
+# (SGLang treats temperatures below 1e-6 as greedy).
+TEMPERATURE_RANGE = (1e-6, 1e6)
+
+
 def check_temperature(temperature) -> float:
-    """A sampling temperature must be a finite positive number (a string or a bool is refused, not
-    converted: `"0.7"` from a config file is a bug to surface, not a value to guess).
+    """A sampling temperature must be a number within TEMPERATURE_RANGE (a string or a bool is
+    refused, not converted: `"0.7"` from a config file is a bug to surface, not a value to guess).
 
     Plain comparisons (NaN fails both), no `math.isfinite`: under torch.compile a temperature that
     changes between calls is a symbolic float, which comparisons guard on and math cannot read.
     """
     if isinstance(temperature, (str, bytes, bool)) or not hasattr(temperature, "__float__"):
         raise ValueError(f"temperature must be a number, got {type(temperature).__name__} {temperature!r}")
-    value = float(temperature)
-    if not 0.0 < value < math.inf:
-        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    try:
+        value = float(temperature)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as error:
+        raise ValueError(f"temperature must be one number, got {_short(temperature)} ({error})") from None
+    low, high = TEMPERATURE_RANGE
+    if not low <= value <= high:
+        raise ValueError(f"temperature must lie in [{low:g}, {high:g}], got {_short(temperature)}")
     return value
+
+
+def _short(value) -> str:
+    """repr of a value, cut to a line (an int of 400 digits, a large tensor)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def values_readable(*tensors) -> bool:
+    """False for meta and fake tensors (shape propagation, torch.compile's tracing): they have
+    shapes but no values, so value checks skip themselves and shape checks still run."""
+    return not any(
+        tensor.device.type == "meta" or isinstance(tensor, FakeTensor)
+        for tensor in tensors
+        if isinstance(tensor, torch.Tensor)
+    )
+
+
+def check_no_self_overlap(name: str, tensor: torch.Tensor, purpose: str) -> None:
+    """A buffer that is written through (an in-place gradient) must not alias itself: a stride-0
+    expand or rows closer than their width would take several writes per element, the last one
+    winning, a silently wrong gradient."""
+    if tensor.dim() == 2 and tensor.shape[0] > 1 and tensor.stride(0) < tensor.shape[1]:
+        raise ValueError(
+            f"{name} needs logits whose rows do not overlap ({purpose}), got shape "
+            f"{tuple(tensor.shape)} with strides {tensor.stride()} (an expand or as_strided view); "
+            "pass a contiguous copy or leave it False"
+        )
 
 
 def _first_bad(mask: torch.Tensor):
@@ -100,7 +141,7 @@ def check_token_stats_inputs(
         what = "T (logits rows)" if rows is None else "len(rows)"
         raise ValueError(f"ids must have {what} = {expected} rows, got ids of shape {tuple(ids.shape)}")
     vocab_global = vocab_local * tp_size
-    if validate and ids.numel() > 0:
+    if validate and ids.numel() > 0 and values_readable(ids):
         bad = (ids < 0) | (ids >= vocab_global)
         if bool(bad.any()):
             row, slot = _first_bad(bad)
@@ -118,7 +159,7 @@ def _check_rows(rows, num_rows: int, device, validate: bool) -> torch.Tensor:
         raise ValueError(f"rows must be 1-D, got shape {tuple(rows.shape)}")
     if rows.device != device:
         raise ValueError(f"rows are on {rows.device} but logits on {device}")
-    if validate and rows.numel() > 0:
+    if validate and rows.numel() > 0 and values_readable(rows):
         bad = (rows < 0) | (rows >= num_rows)
         if bool(bad.any()):
             (i,) = _first_bad(bad)
@@ -173,12 +214,13 @@ def check_segment_sum_inputs(values, mask, segment_ids, denominators, validate: 
     for name, tensor in (("mask", mask), ("denominators", denominators)):
         if tensor.requires_grad:
             raise ValueError(f"{name} must not require grad: it is a constant of the step, got requires_grad=True")
-    if validate:
-        _check_values(mask, segment_ids, denominators)
+    if validate and values_readable(mask, segment_ids, denominators):
+        _check_values(mask, segment_ids, denominators, torch.promote_types(values.dtype, torch.float32))
 
 
-def _check_values(mask, segment_ids, denominators) -> None:
-    num_segments = denominators.numel()
+def _check_values(mask, segment_ids, original_denominators, accumulate: torch.dtype) -> None:
+    num_segments = original_denominators.numel()
+    accumulated_denominators = original_denominators.to(accumulate)
     if segment_ids.numel() > 0:
         bad = (segment_ids < 0) | (segment_ids >= num_segments)
         if bool(bad.any()):
@@ -190,7 +232,14 @@ def _check_values(mask, segment_ids, denominators) -> None:
             (i,) = _first_bad(bad)
             raise ValueError(f"mask must be finite, got mask[{i}] = {float(mask[i])}")
     if num_segments > 0:
-        bad = ~(denominators > 0) | ~torch.isfinite(denominators.double())
+        # In the dtype the sums accumulate in: a float64 D that rounds to 0 or inf there, or to a
+        # subnormal whose reciprocal overflows, would give NaN or inf weights m / D.
+        smallest = torch.finfo(accumulated_denominators.dtype).tiny
+        bad = ~(accumulated_denominators >= smallest) | ~torch.isfinite(accumulated_denominators)
         if bool(bad.any()):
             (i,) = _first_bad(bad)
-            raise ValueError(f"denominators must be finite and > 0, got denominators[{i}] = {float(denominators[i])}")
+            raise ValueError(
+                f"denominators must be finite and >= {smallest:.3g} ({accumulated_denominators.dtype}'s smallest "
+                f"normal, the dtype the sums accumulate in), got denominators[{i}] = "
+                f"{float(original_denominators[i])!r}"
+            )

@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ._contract import TokenStats
+from ._contract import TokenStats, values_readable
 from ._dispatch import uses_triton
 from ._tp import TensorParallel
 from .linear_token_stats import ChunkedLogits, check_head_inputs, device_chunk_rows
@@ -244,6 +244,19 @@ def _check_main_grad(main_grad, grad_scale, weight) -> Optional[float]:
     return float(grad_scale)
 
 
+def _check_fp16_scale(hidden, grad_scale) -> None:
+    """An fp16 gradient needs its scale before the forward: each chunk's logits gradient is formed
+    in fp16 there, and at unit scale its small entries (per-token weights times small
+    probabilities) flush to zero, a gradient far worse than the unfused fp16 path's, which forms it
+    at the loss scale."""
+    if hidden.dtype == torch.float16 and grad_scale is None:
+        raise ValueError(
+            "linear_token_loss in float16 needs grad_scale when a gradient is wanted: the gradient the loss "
+            "will receive (the loss scale / num_microbatches under fp16 training, 1.0 for a plain "
+            "loss.backward()), got grad_scale=None; its fp16 logits gradient is formed at that scale"
+        )
+
+
 def _agreed_chunk_rows(chunk_rows: int, tp: TensorParallel, device) -> int:
     """The smallest of the ranks' default chunks: each chunk holds a collective, so every rank must
     take as many chunks, and free memory differs between GPUs."""
@@ -284,7 +297,8 @@ def linear_token_loss(
         the incoming gradient equals grad_scale (to fp32 rounding). Without main_grad the weight
         gradient is held in an fp32 [V_local, H] buffer from the forward to the backward; grad_scale
         alone (a finite nonzero number, the incoming gradient expected) forms both gradients at that
-        scale, and the backward rescales them by incoming / grad_scale (fp16: no flush to zero).
+        scale, and the backward rescales them by incoming / grad_scale (fp16: no flush to zero;
+        in fp16 a call that wants a gradient must pass grad_scale, a ValueError otherwise).
 
     Returns `LinearTokenLoss(loss, stats)`: the 0-d float32 loss, differentiable with respect to
     hidden and weight, and the same forward's statistics, detached. Without grad mode, or when
@@ -296,6 +310,11 @@ def linear_token_loss(
     if not callable(row_loss):
         raise ValueError(f"row_loss must be a callable (stats, slots) -> 0-d tensor, got {type(row_loss).__name__}")
     grad_scale = _check_main_grad(main_grad, grad_scale, weight)
+    if not values_readable(hidden, weight, inputs.ids):
+        raise ValueError(
+            "linear_token_loss needs tensors with values (it runs row_loss, a Python callable, on each chunk's "
+            f"statistics), got hidden on {hidden.device.type}: linear_token_stats gives the shapes of meta or fake inputs"
+        )
     kernels = uses_triton(hidden, "linear_token_loss")
     if chunk_rows is None:
         chunk_rows = device_chunk_rows(hidden, weight, inputs.ids.shape[0])
@@ -307,6 +326,7 @@ def linear_token_loss(
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         loss, stats, _ = head.run(wants_hidden=False, wants_weight=False)
         return LinearTokenLoss(loss, stats)
+    _check_fp16_scale(hidden, grad_scale)
     stats_out = []
     loss = _OnePassLoss.apply(hidden, weight, head, stats_out)
     return LinearTokenLoss(loss, stats_out[0])

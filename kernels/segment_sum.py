@@ -241,7 +241,8 @@ def segment_sum(values, mask, segment_ids, denominators, *, validate=True) -> to
     values: [N] or [N, C] per-token values (fp32, bf16, fp16 or fp64; any strides).
     mask: [N] per-token weights m (bool, integer or float; slime's loss mask), multiplied in.
     segment_ids: [N] integer segment of each token, in [0, S); any order, segments may be empty.
-    denominators: [S] per-segment D_s, finite and > 0 (a fully masked segment contributes 0).
+    denominators: [S] per-segment D_s, finite and > 0 (a fully masked segment contributes 0), and
+        no smaller than the accumulation dtype's smallest normal once converted to it.
     validate: check segment ids, mask and denominator values (host syncs); shapes, dtypes and
         devices are always checked.
 

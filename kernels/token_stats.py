@@ -32,7 +32,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._contract import KERNEL_DTYPES, TokenStats, as_2d_logits, check_token_stats_inputs
+from ._contract import KERNEL_DTYPES, TokenStats, as_2d_logits, check_no_self_overlap, check_token_stats_inputs
 from ._dispatch import tl, triton, uses_triton
 from ._tp import group_name, resolve_tp, tp_from_group_name
 from .reference import token_stats_reference
@@ -607,10 +607,12 @@ def token_stats(
         initialised) this rank holds global columns [rank * V_local, (rank + 1) * V_local); every
         column, vocabulary padding included, takes part in the softmax.
     ids: [N, J] global vocabulary ids (N = T, or len(rows)); repeated ids are independent slots.
-    temperature: the logits are divided by it (fused; no tempered copy is made).
+    temperature: the logits are divided by it (fused; no tempered copy is made); within
+        TEMPERATURE_RANGE, 1e-6 to 1e6, the temperatures the fp32 kernels answer.
     rows: optional distinct row indices; only those rows are read, outputs follow `rows` order and
         the other rows get a zero gradient (slime's prompt and padding rows).
-    inplace_backward: write the gradient into the logits buffer (the logits must not be used after).
+    inplace_backward: write the gradient into the logits buffer (the logits must not be used after;
+        logits whose rows overlap in memory, such as an expanded row, are refused).
     validate: check ids and rows values (one host sync each); shapes and dtypes are always checked.
 
     Returns `TokenStats(logp [N, J], entropy [N] or None, scores [N, J])`, float32.
@@ -626,6 +628,8 @@ def token_stats(
     inputs = check_token_stats_inputs(
         logits, ids, temperature, rows, tp.size, tp.rank, validate, KERNEL_DTYPES
     )
+    if inplace_backward:
+        check_no_self_overlap("inplace_backward=True", inputs.logits, "the gradient is written over them")
     if not uses_triton(inputs.logits, "token_stats"):
         return token_stats_reference(
             logits,

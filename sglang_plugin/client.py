@@ -46,6 +46,11 @@ def parse_token_samples(meta_info: Mapping[str, Any], num_samples: int) -> Token
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    if not isinstance(meta_info, Mapping):
+        raise ValueError(
+            f"meta_info must be the response's meta_info mapping, got {type(meta_info).__name__} "
+            "(an error reply from the server has none)"
+        )
     sampled = _required_list(meta_info, "output_token_logprobs")
     if f"{_FLAT}_shape" in meta_info:
         tops = _flat_positions(meta_info)
@@ -160,16 +165,39 @@ def _position_entries(entries: Any, position: int, num_samples: int) -> List[tup
 
 
 def _triple(entry: Any, position: int, key: str) -> tuple:
-    """(logprob, token_id) of one `[logprob, token_id, text]` entry, checked."""
+    """(logprob, token_id) of one `[logprob, token_id, text]` entry, checked: the log-probability a
+    number that float32 holds (-inf, a probability of 0, included; NaN, +inf and magnitudes past
+    float32's range are no log-probability), the token id an int that an int64 tensor holds."""
     if not isinstance(entry, (list, tuple)) or len(entry) < 2:
         raise ValueError(f"position {position}: malformed {key} entry {entry!r}")
     logprob, token = entry[0], entry[1]
-    valid_logprob = (
-        isinstance(logprob, (int, float))
-        and not isinstance(logprob, bool)
-        and not math.isnan(logprob)
-    )
-    valid_token = isinstance(token, int) and not isinstance(token, bool) and token >= 0
-    if not (valid_logprob and valid_token):
-        raise ValueError(f"position {position}: malformed {key} entry {entry!r}")
+    if isinstance(logprob, bool) or not isinstance(logprob, (int, float)) or not _is_logprob(logprob):
+        raise ValueError(
+            f"position {position}: malformed {key} entry {_short(entry)}: the log-probability must be -inf or a "
+            f"finite number within float32's range, got {_short(logprob)}"
+        )
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < _INT64_END:
+        raise ValueError(
+            f"position {position}: malformed {key} entry {_short(entry)}: the token id must be an int in "
+            f"[0, 2**63), got {_short(token)}"
+        )
     return float(logprob), token
+
+
+_INT64_END = 2**63
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_logprob(value) -> bool:
+    """-inf or a finite number within float32's range (the tensor it lands in)."""
+    try:
+        value = float(value)
+    except OverflowError:
+        return False
+    return value == -math.inf or -_FLOAT32_MAX <= value <= _FLOAT32_MAX
+
+
+def _short(value: Any) -> str:
+    """repr of a value, cut to a line (an int of 400 digits)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -8,7 +8,9 @@ replaces, in every loaded module that holds them (the defining module and every 
   `slime.utils.ppo_utils.calculate_log_probs_and_entropy` by the fused versions of
   `fusedrl.slime_ext.logprobs` (same signatures and results), so slime's own policy, SFT, KL and
   log-prob recompute paths run on the kernel with no other flag (not with
-  --fusedrl-keep-slime-log-probs, the bitwise A/B switch);
+  --fusedrl-keep-slime-log-probs, the bitwise A/B switch); an optional keyword that a newer slime
+  adds to either is accepted: at its default the call runs fused, set otherwise it runs slime's
+  own function (refused with the fused LM head, whose hidden states it cannot read);
 - `slime.backends.megatron_utils.data.get_batch` by `carry.without_carried_inputs(get_batch)`,
   which keeps the package's carried tensors out of the model's forward kwargs (a no-op for batches
   that carry none);
@@ -43,7 +45,7 @@ from typing import Callable, Dict, List, NamedTuple, Tuple
 
 from . import age, carry, lm_head, logprobs, main_grad, micro_batch
 from .arguments import check_at_first_use, configures_package, refuse_dropped_flags
-from .callables import check_signature, load_function
+from .callables import accept_newer_keywords, check_signature, load_function
 from .flags import lm_head as lm_head_flags
 from .flags import log_probs as log_probs_flags
 from .flags import slime_features
@@ -52,11 +54,15 @@ from .flags.sfc import uses_sfc
 
 
 class Target(NamedTuple):
-    """A slime function and how to build its replacement from the original."""
+    """A slime function and how to build its replacement from the original. `stands_in`: the
+    replacement computes what slime's function computes (not a wrapper calling it), so a call
+    that sets a keyword a newer slime added can run slime's own function instead
+    (`callables.accept_newer_keywords`)."""
 
     module: str
     name: str
     replacement: Callable[[Callable], Callable]
+    stands_in: bool = False
 
 
 def _fused_get_log_probs(original):
@@ -95,8 +101,8 @@ def handing_off_provider_func(original):
 
 
 LOG_PROB_TARGETS = (
-    Target("slime.backends.megatron_utils.loss", "get_log_probs_and_entropy", _fused_get_log_probs),
-    Target("slime.utils.ppo_utils", "calculate_log_probs_and_entropy", _fused_calculate_log_probs),
+    Target("slime.backends.megatron_utils.loss", "get_log_probs_and_entropy", _fused_get_log_probs, stands_in=True),
+    Target("slime.utils.ppo_utils", "calculate_log_probs_and_entropy", _fused_calculate_log_probs, stands_in=True),
 )
 BATCH_TARGETS = (Target("slime.backends.megatron_utils.data", "get_batch", carry.without_carried_inputs),)
 TARGETS = LOG_PROB_TARGETS + BATCH_TARGETS
@@ -116,10 +122,19 @@ def _replacement_for(target: Target) -> Tuple[Callable, Callable]:
     key = (target.module, target.name)
     if key not in _REPLACEMENTS:
         original = getattr(importlib.import_module(target.module), target.name)
+        where = f"{target.module}.{target.name}"
         new = target.replacement(original)
-        check_signature(original, new, f"{target.module}.{target.name}")
+        if target.stands_in:
+            new = accept_newer_keywords(original, new, where, _slime_original_can_run)
+        check_signature(original, new, where)
         _REPLACEMENTS[key] = (original, new)
     return _REPLACEMENTS[key]
+
+
+def _slime_original_can_run() -> bool:
+    """slime's own functions read logits; with the output layer handed off the model returns hidden
+    states, which only the package's path reads."""
+    return lm_head.output_weight() is None
 
 
 def _rebind_everywhere(original: Callable, new: Callable) -> None:

@@ -93,8 +93,9 @@ def main(argv=None) -> None:
         check_script_path(argv[0])
         check_slime_importable()
         script = load_script(argv[0])
-    except ValueError as error:
-        raise SystemExit(f"{PROG}: error: {error}") from None
+    except ValueError as error:  # a usage error: one line and exit status 2, as argparse's
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     from slime.utils.arguments import parse_args
 
     sys.argv = [argv[0], *argv[1:]]

@@ -185,9 +185,10 @@ def run_one_pass(layer, workload, main_grad=None):
     from fusedrl.kernels import linear_token_loss
 
     case = workload.case
+    # grad_scale: the incoming gradient `backward` sends (1.0), which an fp16 call must name
     result = linear_token_loss(*layer, workload.ids, workload.row_loss, temperature=case.temperature,
                                with_entropy=case.entropy, chunk_rows=case.chunk_rows, main_grad=main_grad,
-                               grad_scale=None if main_grad is None else 1.0)  # fmt: skip
+                               grad_scale=1.0)  # fmt: skip
     if layer.device.type == "cpu":
         gc.collect()  # as in run_fused
     return result.stats.logp, result.stats.entropy, result.loss

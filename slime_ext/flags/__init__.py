@@ -3,6 +3,20 @@ registers and validates them all, in the order their dependencies require."""
 
 from typing import NamedTuple
 
+from ...kernels import TEMPERATURE_RANGE
+
+
+def check_rollout_temperature(args, where: str) -> None:
+    """slime's --rollout-temperature reaches the fused kernels, which answer the temperatures in
+    `fusedrl.kernels.TEMPERATURE_RANGE`: refused at startup, naming the flag, not at every step."""
+    temperature = getattr(args, "rollout_temperature", 1.0)
+    low, high = TEMPERATURE_RANGE
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not low <= temperature <= high:
+        raise ValueError(
+            f"--rollout-temperature must lie in [{low:g}, {high:g}] {where} (the temperatures the fused "
+            f"kernels answer), got {temperature!r}"
+        )
+
 
 def custom_loss_is(args, loss_paths) -> bool:
     """Whether slime's configured loss is a custom loss at one of these dotted paths."""

@@ -8,7 +8,7 @@ When the SFC loss is configured, the checks install SFC's rollout side as slime'
 import math
 from typing import Optional
 
-from . import custom_loss_is
+from . import check_rollout_temperature, custom_loss_is
 from .aggregation import Implied, PerTokenSwitch
 
 LOSS_PATHS = ("fusedrl.slime_ext.losses.sfc_loss", "fusedrl.slime_ext.losses.sfc.sfc_loss")
@@ -91,7 +91,6 @@ def _reject_unused_flags(args) -> None:
 
 def _check_untruncated_sampling(args) -> None:
     """The draws and the sampled token must come from the distribution the loss centers on."""
-    temperature = float(getattr(args, "rollout_temperature", 1.0))
     expected = (
         ("rollout_top_p", 1.0, "sampling must be untruncated"),
         ("rollout_top_k", -1, "sampling must be untruncated"),
@@ -101,8 +100,7 @@ def _check_untruncated_sampling(args) -> None:
         got = getattr(args, name, value)
         if got != value:
             raise ValueError(f"--{name.replace('_', '-')} must be {value} with the SFC loss ({why}), got {got!r}")
-    if not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"--rollout-temperature must be finite and > 0 with the SFC loss, got {temperature!r}")
+    check_rollout_temperature(args, "with the SFC loss")
 
 
 def _install_generate_wrapper(args) -> None:

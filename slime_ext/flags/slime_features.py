@@ -16,6 +16,9 @@ it cannot run with, and the way out:
   draws instead of the sampler's top-k head when AGENTCORE_SGLANG_TOKEN_SAMPLES=1 is in the
   job's environment (a Ray job's `--runtime-env-json` reaches the driver, the train actors and
   the SGLang engines alike), so that is refused before the first request is sent.
+- `--rollout-temperature` outside the temperatures the kernels answer
+  (`fusedrl.kernels.TEMPERATURE_RANGE`, 1e-6 to 1e6), whenever the package computes log-probs
+  (its log-prob patch, losses or fused LM head): every micro-batch would be refused.
 - `--flush-cache-interval` other than 1: weights are pushed while requests are in flight, so one
   /generate answer can span two weight versions yet reports one, and the SFC loss's token ages
   would be wrong.
@@ -23,7 +26,7 @@ it cannot run with, and the way out:
 
 import os
 
-from . import custom_loss_is
+from . import check_rollout_temperature, custom_loss_is
 from .aggregation import REDUCER_PATH
 from .lm_head import CUSTOM_LOSS_PATHS, FLAG as LM_HEAD_FLAG, enabled as lm_head_enabled
 from .log_probs import FLAG as KEEP_FLAG, enabled as keeps_slime_log_probs
@@ -35,6 +38,7 @@ INIT_HOOK = "--custom-megatron-init-path fusedrl.slime_ext.install"
 def validate_args(args, environ=os.environ) -> None:
     """Startup checks of slime's own features against the package's; ValueError naming both."""
     _check_log_probs_backend(args)
+    _check_rollout_temperature(args)
     _check_score_centering(args, environ)
     _check_flush_cache_interval(args)
 
@@ -55,6 +59,11 @@ def _check_log_probs_backend(args) -> None:
             f"torch (the package's path keeps no [T, V] buffer either), or keep slime's path with {KEEP_FLAG} "
             "(through python -m fusedrl.slime_ext.train)"
         )
+
+
+def _check_rollout_temperature(args) -> None:
+    if not keeps_slime_log_probs(args) or lm_head_enabled(args) or custom_loss_is(args, CUSTOM_LOSS_PATHS):
+        check_rollout_temperature(args, f"on the package's log-prob path ({KEEP_FLAG} keeps slime's own)")
 
 
 def _check_score_centering(args, environ) -> None:

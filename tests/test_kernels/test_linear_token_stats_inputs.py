@@ -40,8 +40,9 @@ BAD_CALLS = [
     (dict(ids=IDS[:, :0]), r"J = 0"),
     (dict(ids=IDS[:3]), r"ids must have T \(logits rows\) = 4 rows"),
     (dict(ids=IDS.float()), r"ids must be an integer tensor"),
-    (dict(temperature=0.0), r"temperature must be finite and > 0, got 0.0"),
-    (dict(temperature=math.nan), r"temperature must be finite and > 0, got nan"),
+    (dict(temperature=0.0), r"temperature must lie in \[1e-06, 1e\+06\], got 0.0"),
+    (dict(temperature=1e-30), r"temperature must lie in \[1e-06, 1e\+06\], got 1e-30"),  # was a NaN hidden gradient
+    (dict(temperature=math.nan), r"temperature must lie in \[1e-06, 1e\+06\], got nan"),
     (dict(rows=torch.tensor([0, 4])), r"rows must lie in \[0, 4\), got rows\[1\] = 4"),
     (dict(rows=torch.tensor([1, 3, 1]), ids=IDS[:3]), r"rows must be distinct, got row 1"),
     (dict(rows=torch.tensor([0, 1, 2])), r"ids must have len\(rows\) = 3 rows"),

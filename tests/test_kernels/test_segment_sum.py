@@ -190,7 +190,12 @@ BAD_CALLS = [
     (dict(segment_ids=with_value(SEGMENTS, 4, 3)), r"segment_ids must lie in \[0, 3\), got segment_ids\[4\] = 3"),
     (dict(segment_ids=with_value(SEGMENTS, 1, -1)), r"segment_ids\[1\] = -1"),
     (dict(denominators=DENOMS[None]), r"denominators must be 1-D"),
-    (dict(denominators=with_value(DENOMS, 1, 0.0)), r"denominators must be finite and > 0, got denominators\[1\] = 0.0"),
+    (dict(denominators=with_value(DENOMS, 1, 0.0)), r"denominators must be finite and >= 1.18e-38 \(torch.float32's "
+                                                    r"smallest normal, .*\), got denominators\[1\] = 0.0"),
+    # float64 denominators that float32, the sums' dtype, cannot hold (NaN out, before the check)
+    (dict(denominators=with_value(DENOMS.double(), 1, 1e-50)), r"denominators\[1\] = 1e-50"),
+    (dict(denominators=with_value(DENOMS.double(), 2, 1e-40)), r"denominators\[2\] = 1e-40"),
+    (dict(denominators=with_value(DENOMS.double(), 0, 1e50)), r"denominators\[0\] = 1e\+50"),
     (dict(denominators=with_value(DENOMS, 2, -1.0)), r"denominators\[2\] = -1.0"),
     (dict(denominators=with_value(DENOMS, 0, math.nan)), r"denominators\[0\] = nan"),
     (dict(denominators=with_value(DENOMS, 0, math.inf)), r"denominators\[0\] = inf"),
@@ -207,6 +212,22 @@ def test_bad_input_raises_value_error_naming_it(overrides, message):
     args.update(overrides)
     with pytest.raises(ValueError, match=message):
         segment_sum(**args)
+
+
+def test_float64_values_take_denominators_float32_cannot_hold(device):
+    """float64 values accumulate in float64, where 1e-50 is an ordinary denominator."""
+    denominators = with_value(DENOMS.double(), 1, 1e-50)
+    values, mask, segments, denominators = to_device((VALUES.double(), MASK, SEGMENTS, denominators), device)
+    out = segment_sum(values, mask, segments, denominators)
+    expected = segment_sum_reference(VALUES.double(), MASK, SEGMENTS, with_value(DENOMS.double(), 1, 1e-50))
+    assert torch.allclose(out.cpu(), expected, rtol=1e-12, atol=0) and bool(torch.isfinite(out).all())
+
+
+def test_meta_tensors_get_shapes_with_the_value_checks_on():
+    inputs = [tensor.to("meta") for tensor in (VALUES, MASK, SEGMENTS, DENOMS)]
+    assert segment_sum(*inputs).shape == (2,)
+    with pytest.raises(ValueError, match="mask must have N = 5 entries"):
+        segment_sum(inputs[0], inputs[1][:4], *inputs[2:])
 
 
 def test_validation_can_be_switched_off_for_values_not_shapes(device):

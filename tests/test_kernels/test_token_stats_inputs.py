@@ -37,10 +37,18 @@ BAD_CALLS = [
     (dict(logits=LOGITS[None, None]), r"logits must have shape \[T, V\] or \[1, T, V\]"),
     (dict(logits=LOGITS[:, :0], ids=IDS[:, :0] + 0), r"V_local = 0|J = 0"),
     (dict(logits=LOGITS.t().contiguous().t()), r"last dim must be contiguous"),
-    (dict(temperature=0.0), r"temperature must be finite and > 0, got 0.0"),
-    (dict(temperature=-1.0), r"temperature must be finite and > 0, got -1.0"),
-    (dict(temperature=math.nan), r"temperature must be finite and > 0, got nan"),
-    (dict(temperature=math.inf), r"temperature must be finite and > 0, got inf"),
+    (dict(temperature=0.0), r"temperature must lie in \[1e-06, 1e\+06\], got 0.0"),
+    (dict(temperature=-1.0), r"temperature must lie in \[1e-06, 1e\+06\], got -1.0"),
+    (dict(temperature=math.nan), r"temperature must lie in \[1e-06, 1e\+06\], got nan"),
+    (dict(temperature=math.inf), r"temperature must lie in \[1e-06, 1e\+06\], got inf"),
+    # Finite temperatures the fp32 kernels cannot answer (NaN log-probs from 1e46 up, NaN entropy
+    # gradients from 1e-19 down, before the range existed): refused, the range named.
+    (dict(temperature=1e46), r"temperature must lie in \[1e-06, 1e\+06\], got 1e\+46"),
+    (dict(temperature=1.01e6), r"got 1010000.0"),
+    (dict(temperature=1e-19), r"temperature must lie in \[1e-06, 1e\+06\], got 1e-19"),
+    (dict(temperature=1e-41), r"got 1e-41"),
+    (dict(temperature=torch.tensor([1.0, 2.0])), r"temperature must be one number, got tensor\(\[1., 2.\]\)"),
+    (dict(temperature=10**400), r"temperature must be one number, got 1000000000.*\.\.\. \(int too large"),
     (dict(temperature="0.7"), r"temperature must be a number, got str '0.7'"),
     (dict(temperature=True), r"temperature must be a number, got bool True"),
     (dict(temperature=None), r"temperature must be a number, got NoneType None"),
@@ -73,3 +81,32 @@ def test_float64_logits_are_reference_only():
     with pytest.raises(ValueError, match="logits dtype must be one of"):
         token_stats(LOGITS.double(), IDS)
     assert token_stats_reference(LOGITS.double(), IDS).logp.dtype == torch.float64
+
+
+def test_one_element_tensor_and_integer_temperatures_are_numbers():
+    expected = token_stats_reference(LOGITS, IDS, temperature=2.0).logp
+    for temperature in (torch.tensor(2.0), 2, torch.tensor([2.0])):
+        assert torch.equal(token_stats_reference(LOGITS, IDS, temperature=temperature).logp, expected)
+
+
+def test_inplace_backward_refuses_logits_whose_rows_overlap():
+    """An expanded row (stride 0) written in place takes T writes per element, the last one
+    winning: before the check the gradient was silently wrong (-3.7e-5 where the truth is 2.88)."""
+    base = torch.randn(1, 10, requires_grad=True)
+    for logits in (base.expand(4, 10), torch.randn(40).as_strided((4, 10), (5, 1))):
+        with pytest.raises(ValueError, match=r"inplace_backward=True needs logits whose rows do not overlap.*strides"):
+            token_stats(logits, IDS, inplace_backward=True)
+    stats = token_stats(base.expand(4, 10), IDS)  # not in place: the gradient sums over the rows
+    stats.logp.sum().backward()
+    leaf = base.detach().double().expand(4, 10).clone().requires_grad_()
+    token_stats_reference(leaf, IDS).logp.sum().backward()
+    assert torch.allclose(base.grad.double(), leaf.grad.sum(0, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [token_stats, token_stats_reference])
+def test_meta_tensors_get_shapes_with_the_value_checks_on(fn):
+    """Value checks skip themselves on meta tensors (no values to read); shape checks still run."""
+    stats = fn(LOGITS.to("meta"), IDS.to("meta"), with_entropy=True, rows=None)
+    assert stats.logp.shape == (4, 2) and stats.entropy.shape == (4,) and stats.logp.device.type == "meta"
+    with pytest.raises(ValueError, match="ids must have T"):
+        fn(LOGITS.to("meta"), IDS[:3].to("meta"))

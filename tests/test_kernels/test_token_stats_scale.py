@@ -24,14 +24,20 @@ from device import to_cpu
 from lm_head_cases import check_exact, random_layer
 from numerics import assert_no_worse_than, max_err
 
-from bench.baselines import eager_token_stats
+from bench_package import import_bench
 from fusedrl.kernels import linear_token_stats, token_stats, token_stats_reference
 from fusedrl.kernels.token_stats import combine_partials, logits_grad, row_partials
+
+import_bench()  # the repository's bench package, for this file run alone too
+from bench.baselines import eager_token_stats  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 # (scale, shift, temperature): logits = randn * scale + shift, then / temperature
 SCALES = [(1, 0, 1.0), (10, 0, 0.3), (100, 0, 1.0), (300, 0, 2.0), (1000, 0, 0.3), (3, 1000, 1.0), (3, -1000, 0.7)]
+# The ends of the temperatures the kernels answer (kernels/_contract.py TEMPERATURE_RANGE): logits
+# / T up to ~4e6, and a flat distribution whose log-probs differ in the 7th digit.
+RANGE_ENDS = [(1, 0, 1e-6), (1000, 0, 1e6)]
 NUM_ROWS, VOCAB = 5, 1031  # V odd, over one trip of the kernel's tile and not a multiple of it
 SEEDS = range(8)
 FP32_ULP = 2.0**-24  # the slack both paths get: one rounding of the truth's largest value
@@ -84,7 +90,7 @@ def _assert_no_worse_than_eager(per_seed, case):
         assert_no_worse_than([errors[index] for errors in per_seed], f"{case} {name} (fused vs eager fp32)")
 
 
-@pytest.mark.parametrize("scale,shift,temperature", SCALES)
+@pytest.mark.parametrize("scale,shift,temperature", SCALES + RANGE_ENDS)
 def test_token_stats_fp32_no_worse_than_eager(scale, shift, temperature, device):
     def fused(x, i, t):
         return token_stats(x, i, temperature=t, with_entropy=True)

@@ -96,6 +96,13 @@ COUNT = r"expected the sampled token plus 3 draws \(4 output_top_logprobs entrie
         (_set((TOP, 4, 2, 1), "7"), "position 4: malformed output_top_logprobs entry"),
         (_set((TOP, 0, 1, 0), float("nan")), "position 0: malformed output_top_logprobs entry"),
         (_set((TOKEN, 2, 1), -3), "position 2: malformed output_token_logprobs entry"),
+        # +inf is refused like NaN; values float32 or int64 cannot hold, with the position named
+        # (before: accepted as inf, or torch's and Python's overflow errors)
+        (_set((TOP, 1, 2, 0), float("inf")), r"position 1: malformed .*log-probability must be -inf or a finite number .* got inf"),
+        (_set((TOKEN, 3, 0), float("inf")), r"position 3: malformed output_token_logprobs entry .* got inf"),
+        (_set((TOP, 2, 1, 0), 1e39), r"position 2: malformed output_top_logprobs entry .* got 1e\+39"),
+        (_set((TOP, 0, 3, 0), -(10**400)), r"position 0: malformed .*log-probability .* got -1000000000"),
+        (_set((TOP, 4, 1, 1), 2**70), r"position 4: malformed .*token id must be an int in \[0, 2\*\*63\), got 1180591620717411303424"),
         (lambda m: m[TOP].pop(), "5 output_token_logprobs but 4 output_top_logprobs"),
         (lambda m: m.pop(TOP), r"meta_info\['output_top_logprobs'\] must be a list"),
         (_set((TOKEN,), None), r"meta_info\['output_token_logprobs'\] must be a list"),
@@ -104,6 +111,18 @@ COUNT = r"expected the sampled token plus 3 draws \(4 output_top_logprobs entrie
 def test_malformed_responses_are_rejected_naming_the_position(edit, message):
     with pytest.raises(ValueError, match=message):
         parse_token_samples(_broken(edit), num_samples=3)
+
+
+@pytest.mark.parametrize("meta_info", [None, [], "error", 3])
+def test_a_reply_without_meta_info_is_refused_naming_it(meta_info):
+    """`response.get("meta_info")` of an error reply is None: a ValueError, not an AttributeError."""
+    with pytest.raises(ValueError, match=rf"meta_info must be the response's meta_info mapping, got {type(meta_info).__name__}"):
+        parse_token_samples(meta_info, num_samples=3)
+
+
+def test_a_minus_inf_log_probability_is_a_probability_of_zero():
+    meta_info = _broken(_set((TOP, 1, 2, 0), float("-inf")))
+    assert parse_token_samples(meta_info, num_samples=3).draw_logprobs[1, 1] == float("-inf")
 
 
 @pytest.mark.parametrize("num_samples", [0, -2, True, 2.0, None])

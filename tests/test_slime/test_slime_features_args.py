@@ -105,6 +105,9 @@ LM_HEAD, KEEP = dict(fusedrl_fused_lm_head=True), dict(fusedrl_keep_slime_log_pr
         ({**CENTERING, **SLIMES_POLICY_LOSS, "score_centering_top_k": 128}, PLUGIN_ON,
          ("--use-score-centering", "top_logprobs_num = 128", "AGENTCORE_SGLANG_TOKEN_SAMPLES=1", "unset AGENTCORE_SGLANG_TOKEN_SAMPLES")),
         (dict(flush_cache_interval=0, **SFC), {}, ("--flush-cache-interval 0", "fusedrl.slime_ext.losses.sfc_loss", "--flush-cache-interval 1")),
+        # temperatures the kernels do not answer, refused at startup, not at every micro-batch
+        (dict(rollout_temperature=1e-7), {}, ("--rollout-temperature must lie in [1e-06, 1e+06]", "got 1e-07", "--fusedrl-keep-slime-log-probs")),
+        (dict(rollout_temperature=2e6, **KEEP, **LM_HEAD), {}, ("--rollout-temperature", "got 2000000.0")),
     ],
 )  # fmt: skip
 def test_slimes_features_the_package_cannot_run_with_are_refused_naming_both(overrides, environ, names):
@@ -121,6 +124,7 @@ def test_slimes_features_the_package_cannot_run_with_are_refused_naming_both(ove
         (dict(log_probs_backend="torch", use_score_centering=False, flush_cache_interval=1, **SFC), PLUGIN_ON),
         ({**CENTERING, **SLIMES_POLICY_LOSS}, {"AGENTCORE_SGLANG_TOKEN_SAMPLES": "0"}),
         (dict(flush_cache_interval=-1), {}),  # slime's policy loss: no token ages
+        ({**KEEP, **SLIMES_POLICY_LOSS, "rollout_temperature": 1e-7}, {}),  # slime's own path reads it
     ],
 )  # fmt: skip
 def test_slimes_features_the_package_runs_with_pass(overrides, environ):
