@@ -21,7 +21,14 @@ class TensorParallel(NamedTuple):
 
 
 def resolve_tp(tp_group=None) -> TensorParallel:
-    """The group, its size and this process's rank in it (size 1 and group None when unsplit)."""
+    """The group, its size and this process's rank in it (size 1 and group None when unsplit).
+
+    Anything but None or a `torch.distributed.ProcessGroup` is refused, naming `tp_group`: a
+    mistyped group would otherwise be ignored (no split) while the logits are a vocabulary shard."""
+    if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
+        raise ValueError(
+            f"tp_group must be a torch.distributed.ProcessGroup or None, got {type(tp_group).__name__} {tp_group!r:.60}"
+        )
     if tp_group is None:
         tp_group = _megatron_tp_group()
     if tp_group is None or not dist.is_initialized():

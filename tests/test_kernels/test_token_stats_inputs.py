@@ -58,6 +58,9 @@ BAD_CALLS = [
     (dict(rows=torch.tensor([[0, 1]])), r"rows must be 1-D"),
     (dict(rows=torch.tensor([0.0, 1.0])), r"rows must be an integer tensor"),
     (dict(rows=torch.tensor([0, 1, 2])), r"ids must have len\(rows\) = 3 rows"),
+    # a mistyped group was ignored: no split, while the logits may be a vocabulary shard
+    (dict(tp_group="tp"), r"tp_group must be a torch.distributed.ProcessGroup or None, got str 'tp'"),
+    (dict(tp_group=2), r"tp_group must be a torch.distributed.ProcessGroup or None, got int 2"),
 ]
 
 
