@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 from device import DEVICE, ON_GPU
+from distributed import begin_test
 
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,6 +24,13 @@ elif not torch.cuda.is_available():
 def device() -> torch.device:
     """Where a test puts the kernels' inputs: CUDA under FUSEDRL_TEST_DEVICE=cuda, else CPU."""
     return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _pools_taken_by_this_test():
+    """Marks the start of each test, so the distributed pools it takes outlive any eviction within it."""
+    begin_test()
+    yield
 
 
 def skip_groups(reports) -> list:

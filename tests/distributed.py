@@ -3,8 +3,11 @@
 `DistributedPool(tp, cp, dp, pp, vp)`: tp * cp * dp * pp workers with `torch.distributed`
 initialised and, by default, megatron-core's parallel_state for those sizes (order tp-cp-dp-pp,
 as slime's train actors have it; vp: virtual pipeline stages per pipeline rank); `pool.run(fn, *args)` returns `[fn(RankInfo, *args)]` in rank order, and a failing rank
-raises in the caller with its traceback. `get_pool` keeps one pool per configuration for the whole
-session (workers start once and are reused by every test). `run_on_ranks(world_size, fn, *args)`
+raises in the caller with its traceback. `get_pool` keeps one pool per configuration, reused by
+every test, and closes the least recently used pools (never one the current test took) when the
+live workers would exceed MAX_POOL_WORKERS: each worker holds about 1 GiB (torch, megatron-core,
+the interpreter), and keeping every configuration's pool to the end held 22 of them, 18 of the
+machine's 24 GiB. `run_on_ranks(world_size, fn, *args)`
 runs `fn(rank, world_size, *args)` once on fresh workers without Megatron, for tests that set up
 their own groups.
 
@@ -222,15 +225,35 @@ class DistributedPool:
             os.remove(self._init_file)
 
 
-_POOLS = {}
+MAX_POOL_WORKERS = 8
+_POOLS = {}  # configuration -> pool, least recently used first
+_TEST = {"current": 0, "last_use": {}}  # the running test's number; configuration -> test that last took it
+
+
+def begin_test() -> None:
+    """A new test starts (conftest's autouse fixture): pools it takes are kept until it ends."""
+    _TEST["current"] += 1
 
 
 def get_pool(tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1, vp: Optional[int] = None) -> DistributedPool:
-    """The session's Megatron pool for this configuration, started on first use and closed at exit."""
+    """The Megatron pool for this configuration, started on first use, closed when evicted or at exit."""
     key = (tp, cp, dp, pp, vp)
-    if key not in _POOLS:
-        _POOLS[key] = DistributedPool(tp, cp, dp, pp, vp)
-    return _POOLS[key]
+    pool = _POOLS.pop(key, None)
+    if pool is None:
+        _evict_for(tp * cp * dp * pp)
+        pool = DistributedPool(tp, cp, dp, pp, vp)
+    _POOLS[key] = pool
+    _TEST["last_use"][key] = _TEST["current"]
+    return pool
+
+
+def _evict_for(new_workers: int) -> None:
+    """Close least recently used pools, none the current test took, until the new one fits."""
+    for key in list(_POOLS):
+        if sum(pool.world_size for pool in _POOLS.values()) + new_workers <= MAX_POOL_WORKERS:
+            return
+        if _TEST["last_use"][key] != _TEST["current"]:
+            _POOLS.pop(key).close()
 
 
 @atexit.register
