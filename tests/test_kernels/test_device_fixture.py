@@ -41,6 +41,7 @@ NOT_PROBED = {
     "test_tp_rank_with_an_all_minus_inf_shard": "launches the kernels through the host functions, not the ops",
     "test_two_rank_combine_fp32_no_worse_than_eager": "launches the kernels through the host functions, not the ops",
     "test_kernels_compile_for_hopper": "compiles for sm_90 and runs nothing (10 s)",
+    "test_meta_tensors_get_shapes_with_the_value_checks_on": "meta tensors: the ops' fake implementations, no device",
 }
 
 
