@@ -150,6 +150,16 @@ def select_cases(args, gpu: bool):
     return cases
 
 
+def _check_temperature(temperature: float) -> None:
+    """--temperature within what the kernels answer, as a usage error; read once the device is
+    picked, since importing the kernels imports Triton, which must see TRITON_INTERPRET first."""
+    from fusedrl.kernels import TEMPERATURE_RANGE
+
+    low, high = TEMPERATURE_RANGE
+    if not low <= temperature <= high:
+        build_parser().error(f"argument --temperature: must lie in [{low:g}, {high:g}], got {temperature:g}")
+
+
 def main(argv=None):
     """Run the benchmark; returns the records (one per case, phase and subject)."""
     args = parse_args(argv)
@@ -157,6 +167,7 @@ def main(argv=None):
         return static.run(args.results_dir, args.op)
     device = pick_device(args.device)
     gpu = device.type == "cuda"
+    _check_temperature(args.temperature)
 
     cases = select_cases(args, gpu)
     refusal = oversized_message(cases, available_bytes(device), device.type)

@@ -41,6 +41,14 @@ def test_bad_values_are_usage_errors_naming_the_option(capsys, argv, option, pro
     assert f"argument {option}: {problem}" in capsys.readouterr().err
 
 
+def test_a_temperature_the_kernels_do_not_answer_is_a_usage_error(capsys, tmp_path):
+    """Checked before any case runs (it was a ValueError traceback from inside the first case)."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["--device", "cpu", "--temperature", "1e10", "--results-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "argument --temperature: must lie in [1e-06, 1e+06], got 1e+10" in capsys.readouterr().err
+
+
 def test_cuda_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
