@@ -25,8 +25,8 @@ from .rivals import lm_heads
 from .workloads.linear_token_stats import run_fused, run_one_pass, run_one_pass_main_grad, run_unfused
 from .workloads.segment_sum import eager_sum_of_sample_mean
 
-SUBJECT_NAMES = ("fused", "eager", "compile", "liger", "megatron", "one_pass", "one_pass_main_grad", "verl", "liger_flce",
-                 "liger_scaled")
+SUBJECT_NAMES = ("fused", "eager", "compile", "liger", "megatron", "one_pass", "one_pass_main_grad",
+                 "verl", "liger_flce", "liger_scaled")
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ def _liger_scaled(device):
     from liger_kernel.ops.fused_linear_scaled_cross_entropy import _resolve_implementation
 
     _resolve_implementation(device)
-    return Subject("liger_scaled", {"linear_token_stats": lm_heads.run_liger_scaled_cross_entropy}, lm_heads.one_id_per_row)
+    run = lm_heads.run_liger_scaled_cross_entropy
+    return Subject("liger_scaled", {"linear_token_stats": run}, lm_heads.one_id_per_row)
 
 
 def refusal_notes(cases, subjects):
