@@ -55,7 +55,13 @@ setup(
             "matplotlib",
             "pylatexenc",  # imported by slime's reward hub, which the training-loop test runs
         ],
-        "bench": ["matplotlib", "pytest-benchmark"],
+        # liger-kernel: the bench's Liger subjects (its fused linear scaled cross entropy is new in 0.8.5)
+        "bench": ["matplotlib", "pytest-benchmark", "liger-kernel>=0.8.5,<0.9"],
+        # verl: the bench's `verl` subject, slime's --log-probs-backend triton. Apart from `bench`
+        # because verl declares its whole trainer stack (ray, wandb, datasets, transformers < 5.11,
+        # which SGLang's test stack contradicts) while the kernel needs torch, triton and packaging
+        # only: install it with `pip install --no-deps verl==0.9.1` (bench/rivals/verl_import.py).
+        "bench-verl": ["verl==0.9.1"],
     },
     entry_points={
         "sglang.srt.plugins": [

@@ -7,8 +7,12 @@
 #
 # torch comes first and pinned: SGLang 0.5.23 pins torch 2.14.1 (a CUDA build that runs on CPU)
 # and its config package needs the matching torchvision. Every install after it runs under
-# .ci/test-constraints.txt (those two pins), so no dependency can pull another torch; nothing is
-# installed with --no-deps.
+# .ci/test-constraints.txt (those two pins), so no dependency can pull another torch. One package
+# is installed with --no-deps, verl 0.9.1 alone (the bench's `verl` subject, bench/rivals/): it
+# declares its whole trainer stack (ray[default], wandb, datasets, peft, hydra-core, tensordict,
+# ... and transformers < 5.11, which SGLang's 5.19 contradicts), while the kernel the bench loads in
+# isolation (verl/utils/kernel/{kernels,linear_cross_entropy}.py, through verl/utils/device.py and
+# verl/plugin/platform/) imports only torch, triton and packaging, all three installed before it.
 #
 # Two of SGLang's GPU-only dependencies are taken out again (SGLang's CPU server runs without them,
 # tests/test_sglang/test_sglang_server*.py):
@@ -20,7 +24,7 @@
 # - `sgl-flash-mla`: megatron-core imports `flash_mla` when present and catches only ImportError,
 #   but without a CUDA driver its library load raises OSError, so every megatron-core model import
 #   (the slime tests) fails.
-# `pip check` must report nothing but these two.
+# `pip check` must report nothing but these two and verl's undeclared trainer stack.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if ! python -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
@@ -43,10 +47,12 @@ constraints="$here/test-constraints.txt"
 python -m pip install -q -c "$constraints" torch torchvision
 python -m pip install -q -c "$constraints" sglang==0.5.23
 python -m pip install -q -c "$constraints" -e "$here/..[test,bench]"
+python -m pip install -q -c "$constraints" --no-deps "verl==0.9.1"  # the pin of setup.py's bench-verl extra
+python -c "import packaging, triton"  # all the isolated verl kernel imports besides torch
 removed=(kernels sgl-flash-mla)
 python -m pip uninstall -q -y "${removed[@]}"
 broken="$(python -m pip check | grep -vxF -e "sglang 0.5.23 requires kernels, which is not installed." \
-    -e "sglang 0.5.23 requires sgl-flash-mla, which is not installed." || true)"
+    -e "sglang 0.5.23 requires sgl-flash-mla, which is not installed." | grep -v "^verl 0\.9\.1 \(requires\|has requirement\) " || true)"
 if [[ -n "$broken" ]]; then
     echo "install-test-deps.sh: pip check: $broken" >&2
     exit 1

@@ -29,7 +29,7 @@ from .harness.budget import available_bytes, oversized_message
 from .harness.measure import measure_case
 from .harness.progress import Progress
 from .studies.lm_head_chunks import format_projection
-from .subjects import SUBJECT_NAMES, make_subjects
+from .subjects import SUBJECT_NAMES, make_subjects, refusal_notes
 from .workloads import WORKLOADS
 from .workloads.linear_token_stats import head_cases
 
@@ -175,6 +175,7 @@ def main(argv=None):
         raise SystemExit(f"python -m bench: error: {refusal}")
     names = ["fused"] + [name for name in args.subjects if name != "fused"]
     subjects, notes = make_subjects(names, device)
+    notes += refusal_notes(cases, subjects)
     if not gpu and any(case.dtype != "fp32" for case in cases):
         notes.append("the Triton interpreter casts fp32 to bf16/fp16 by truncation (a GPU rounds to nearest), "
                      "which about doubles the fused kernels' low-precision gradient error on CPU")  # fmt: skip

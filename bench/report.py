@@ -138,11 +138,12 @@ def format_table(records, gpu: bool) -> str:
 def format_subject_table(records) -> str:
     """For the cases that run GEMMs (the LM head): one line per case and subject, forward + backward:
     GEMM flops counted (and in units of 2 T V H, one GEMM of the logits' size), peak extra memory (and
-    as a share of the `eager` subject's, the unfused path), error, time. Empty when no case has GEMMs."""
+    as a share of the `eager` subject's, the unfused path), error, time and GEMM flops over it. Empty
+    when no case has GEMMs."""
     shown = [r for r in records if r["phase"] == "fwd+bwd"]
     with_gemms = {id(r["case"]) for r in shown if r.get("gemm_flops")}
     eager = {id(r["case"]): r for r in shown if r["subject"] == "eager"}
-    lines = [["case", "subject", "GEMM GFLOP", "x 2TVH", "extra MiB", "of eager", "err", "ms"]]
+    lines = [["case", "subject", "GEMM GFLOP", "x 2TVH", "extra MiB", "of eager", "err", "ms", "TFLOP/s"]]
     for record in shown:
         case = record["case"]
         if id(case) not in with_gemms:
@@ -154,6 +155,7 @@ def format_subject_table(records) -> str:
             f"{record['peak_extra_bytes'] / MIB:.2f}", "-" if base is None else _percent(record["peak_extra_bytes"],
                                                                                       base["peak_extra_bytes"]),
             f"{record['error']:.1e}", "-" if record["time_ms"] is None else f"{record['time_ms']:.3f}",
+            "-" if record["time_ms"] is None else f"{record['gemm_flops'] / record['time_ms'] / 1e9:.1f}",
         ])  # fmt: skip
     if len(lines) == 1:
         return ""
@@ -204,7 +206,8 @@ PHASE_NAMES = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward + backwa
 OP_TITLES = {"token_stats": "token statistics (token_stats)", "segment_sum": "aggregation\n(segment_sum)"}
 SUBJECT_STYLES = {"fused": ("#1f5fa8", "o"), "eager": ("#e07b1a", "s"), "compile": ("#3a9a3a", "^"),
                   "liger": ("#8a4fb5", "D"), "megatron": ("#c0392b", "v"), "one_pass": ("#17becf", "P"),
-                  "one_pass_main_grad": ("#7f7f7f", "X")}
+                  "one_pass_main_grad": ("#7f7f7f", "X"), "verl": ("#b8860b", "*"), "liger_flce": ("#d35fb7", "p"),
+                  "liger_scaled": ("#5b3a8a", "h")}
 # Figure geometry in inches: the plotting area grows with the cases up to a bound, then rows get
 # denser (and their labels smaller, down to a floor) instead of the figure taller.
 ROW_INCHES, MAX_ROWS_INCHES, FRAME_INCHES = 0.3, 13.0, 2.2

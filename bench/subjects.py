@@ -1,44 +1,56 @@
 """The implementations measured side by side: the fused kernels, the eager paths, and peers.
 
 A subject runs on a workload: `run(x, workload)` with `x` the workload's differentiable input (a
-private copy) returns the outputs the workload knows how to check and differentiate. The peers
+private copy) returns the outputs the workload knows how to check and differentiate. A case a
+subject cannot run gets its reason from `refuses`, printed as a note ("not supported"). The peers
 (Liger-Kernel's cross entropy, megatron-core's vocab-parallel cross entropy) compute only the
 log-prob of the sampled token, so they cover J = 1 without entropy at temperature 1. For the LM
 head (`linear_token_stats`), `fused` is the recompute path, `eager` the unfused one, and `one_pass`
 / `one_pass_main_grad` the one-pass path (`linear_token_loss`), its weight gradient returned or
-added to the workload's fp32 main_grad. Liger's fused linear cross entropy is not among them: it
-takes only a scalar gradient of the summed cross entropy, not the workload's per-token one.
+added to the workload's fp32 main_grad; the rivals (`bench/rivals/lm_heads.py`) are `verl` (verl's
+linear cross-entropy, slime's `--log-probs-backend triton`), `liger_flce` (Liger's fused linear
+cross entropy, per token) and `liger_scaled` (Liger's fused linear scaled cross entropy, with
+entropy), each taking one id per row.
 """
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .baselines import eager_token_logprobs
+from .rivals import lm_heads
 from .workloads.linear_token_stats import run_fused, run_one_pass, run_one_pass_main_grad, run_unfused
 from .workloads.segment_sum import eager_sum_of_sample_mean
 
-SUBJECT_NAMES = ("fused", "eager", "compile", "liger", "megatron", "one_pass", "one_pass_main_grad")
+SUBJECT_NAMES = ("fused", "eager", "compile", "liger", "megatron", "one_pass", "one_pass_main_grad",
+                 "verl", "liger_flce", "liger_scaled")
 
 
 @dataclass(frozen=True)
 class Subject:
     name: str
     runs: dict  # op -> run(x, workload)
-    covers_case: Callable = lambda case: True
+    refuses: Callable[..., Optional[str]] = lambda case: None  # case -> why it cannot run it, or None
 
     def covers(self, case) -> bool:
-        return case.op in self.runs and self.covers_case(case)
+        return case.op in self.runs and self.refuses(case) is None
 
     def run(self, x, workload):
         return self.runs[workload.case.op](x, workload)
 
 
-def _sampled_token_only(case) -> bool:
-    return case.ids_per_row == 1 and not case.entropy and case.temperature == 1.0
+def _sampled_token_only(case) -> Optional[str]:
+    """Why a peer that returns only the sampled token's log-prob at temperature 1 cannot run `case`."""
+    if case.ids_per_row != 1:
+        return "takes one id per row"
+    if case.entropy:
+        return "returns no entropy"
+    if case.temperature != 1.0:
+        return "takes no temperature"
+    return None
 
 
 def _token_stats_run(token_logprobs):
@@ -118,6 +130,43 @@ def _one_pass_main_grad():
     return Subject("one_pass_main_grad", {"linear_token_stats": run_one_pass_main_grad})
 
 
+def _verl(device):
+    from .rivals import verl_import
+    from .rivals.interpreter_dot import correct_bf16_dot
+
+    cpu = device.type == "cpu"
+    if cpu:
+        correct_bf16_dot()  # verl's GEMMs are tl.dot: bf16 ones need the interpreter fixed
+    linear_cross_entropy = verl_import.linear_cross_entropy(strip_asserts=cpu)
+    return Subject("verl", {"linear_token_stats": lm_heads.verl_run(linear_cross_entropy)}, lm_heads.verl_refusal)
+
+
+def _liger_flce():
+    import liger_kernel.transformers.functional  # noqa: F401  (unavailable: a note, not a crash at the first case)
+
+    return Subject("liger_flce", {"linear_token_stats": lm_heads.run_liger_linear_cross_entropy}, _sampled_token_only)
+
+
+def _liger_scaled(device):
+    # Liger's own dispatch, asked now: on sm_90 it imports its CuTe DSL kernel, which may be missing
+    from liger_kernel.ops.fused_linear_scaled_cross_entropy import _resolve_implementation
+
+    _resolve_implementation(device)
+    run = lm_heads.run_liger_scaled_cross_entropy
+    return Subject("liger_scaled", {"linear_token_stats": run}, lm_heads.one_id_per_row)
+
+
+def refusal_notes(cases, subjects):
+    """One line per subject and reason: the cases of its ops it does not run ("not supported")."""
+    refused = {}
+    for case in cases:
+        for subject in subjects:
+            reason = case.op in subject.runs and subject.refuses(case)
+            if reason:
+                refused.setdefault((subject.name, reason), []).append(case.label)
+    return [f"{name}: not supported, {reason}: {', '.join(labels)}" for (name, reason), labels in refused.items()]
+
+
 def make_subjects(names, device):
     """The requested subjects that can run on `device`, and a note for each one that cannot."""
     builders = {
@@ -128,6 +177,9 @@ def make_subjects(names, device):
         "megatron": lambda: _megatron(device),
         "one_pass": _one_pass,
         "one_pass_main_grad": _one_pass_main_grad,
+        "verl": lambda: _verl(device),
+        "liger_flce": _liger_flce,
+        "liger_scaled": lambda: _liger_scaled(device),
     }
     gpu_only = {
         "compile": "measured on GPU only (its generated kernels are not observable on CPU)",

@@ -26,8 +26,9 @@ GPU_LEGEND = (
 
 
 SUBJECT_LEGEND = (
-    "per subject (LM head): GEMM GFLOP counted over forward + backward; x 2TVH: that in GEMMs of the logits' size; "
-    "extra MiB / of eager: peak extra memory, and as a share of the unfused path's",
+    "per subject (LM head): GEMM GFLOP counted over forward + backward (aten GEMMs, and Triton tl.dot tiles under the "
+    "interpreter only: on a GPU verl's Triton GEMMs count nothing); x 2TVH: that in GEMMs of the logits' size; "
+    "extra MiB / of eager: peak extra memory, and as a share of the unfused path's; TFLOP/s: GEMM GFLOP over ms (GPU)",
 )
 
 

@@ -1,13 +1,17 @@
-"""GEMM flops a computation runs, counted by torch's `FlopCounterMode` (matrix products only: the
-Triton kernels are not aten operators and count nothing).
+"""GEMM flops a computation runs, counted by torch's `FlopCounterMode` (matrix products only) and,
+under the Triton interpreter, by every `tl.dot` a Triton kernel runs.
 
-Two additions make the count whole. The in-place `addmm_` (how an fp32 accumulator takes a
+Three additions make the count whole. The in-place `addmm_` (how an fp32 accumulator takes a
 product) has no formula in torch's registry; it gets `addmm`'s. And a `fusedrl::` torch op is one
 opaque call to a dispatch mode, so its body (the host code, with its GEMMs) is run under the
-counter instead, as the memory and traffic meters do.
+counter instead, as the memory and traffic meters do. And a Triton kernel is no aten operator: on
+CPU, where it runs in the interpreter, each `tl.dot` of an [M, K] by a [K, N] tile adds 2 M K N
+(whole tiles, rows past the matrix's edge included, as the GPU's tensor cores compute them). A
+compiled kernel cannot be observed so: on a GPU the Triton GEMMs of a peer (verl's) count nothing.
 """
 
 import contextlib
+import math
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,6 +38,31 @@ class _PackageOpBodies(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def _interpreted_dots(counted: list):
+    """Adds 2 M K N to `counted[0]` for each `tl.dot` the Triton interpreter runs in the block (none
+    when the interpreter is off)."""
+    import triton.knobs
+
+    if not triton.knobs.runtime.interpret:
+        yield
+        return
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    plain_dot = builder.create_dot
+
+    def dot(a, b, *args, **kwargs):
+        *batch, rows, inner = a.data.shape
+        counted[0] += 2 * math.prod(batch) * rows * inner * b.data.shape[-1]
+        return plain_dot(a, b, *args, **kwargs)
+
+    builder.create_dot = dot
+    try:
+        yield
+    finally:
+        del builder.create_dot
+
+
 class GemmFlops:
     """`with GemmFlops() as flops: ...`, then `flops.total`: the GEMM flops run inside."""
 
@@ -44,8 +73,10 @@ class GemmFlops:
         self._stack = contextlib.ExitStack()
         self._counter = self._stack.enter_context(FlopCounterMode(display=False, custom_mapping={aten.addmm_: _addmm_flops}))
         self._stack.enter_context(_PackageOpBodies())
+        self._triton = [0]
+        self._stack.enter_context(_interpreted_dots(self._triton))
         return self
 
     def __exit__(self, *exc):
-        self.total = self._counter.get_total_flops()
+        self.total = self._counter.get_total_flops() + self._triton[0]
         return self._stack.__exit__(*exc)

@@ -1,0 +1,70 @@
+"""The rivals of the fused LM head (bench/rivals): verl's linear cross-entropy and Liger's fused
+linear losses, run by the bench on its LM-head workload and checked against float64.
+
+fp32 is held to 1e-5 (relative, with the workload's floor), bf16 to three times the unfused eager
+path's error on the same inputs: enough to catch a rival wired wrong (an unapplied temperature, a
+transposed weight, a dropped entropy gradient give errors of order 1), not a judgement of its
+accuracy, which `python -m bench` measures. The rivals are dependencies of the bench
+(.ci/install-test-deps.sh installs them); where one is missing the test of it is skipped.
+"""
+
+import pytest
+import torch
+from bench_package import import_bench
+
+import_bench()
+from bench.harness.measure import profile  # noqa: E402
+from bench.subjects import make_subjects, refusal_notes  # noqa: E402
+from bench.workloads.linear_token_stats import LinearCase, LinearWorkload  # noqa: E402
+
+RIVALS = ("verl", "liger_flce", "liger_scaled")
+CPU = torch.device("cpu")
+
+
+def _subject(name):
+    subjects, notes = make_subjects([name], CPU)
+    if not subjects:
+        pytest.skip("; ".join(notes))
+    return subjects[0]
+
+
+def _case(name, dtype):
+    """T and V/tp off the kernels' blocks, H = 128 (verl asserts H % 128 == 0); a temperature and
+    the entropy where the rival takes them."""
+    sampled_only = name == "liger_flce"
+    return LinearCase(16, 700, dtype, 1, not sampled_only, 1.0 if sampled_only else 0.7, 128)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", RIVALS)
+def test_rival_matches_float64(name, dtype):
+    subject, eager = _subject(name), _subject("eager")
+    case = _case(name, dtype)
+    for seed in (0, 1):
+        workload = LinearWorkload.make(case, CPU, seed=seed)
+        error = profile(subject, workload, count_bytes=False)["fwd+bwd"]["error"]
+        bar = 1e-5 if dtype == "fp32" else 3 * profile(eager, workload, count_bytes=False)["fwd+bwd"]["error"]
+        assert error < bar, (name, dtype, seed, error, bar)
+
+
+def test_verl_gemms_are_counted_in_the_interpreter():
+    """verl's logits GEMMs are Triton `tl.dot`s (none of them an aten operator): the forward's count
+    is at least one GEMM of the logits' size, whole tiles included."""
+    case = _case("verl", "fp32")
+    figures = profile(_subject("verl"), LinearWorkload.make(case, CPU), count_bytes=False)
+    assert figures["fwd"]["gemm_flops"] >= 2 * case.tokens * case.vocab * case.hidden
+
+
+def test_rivals_refuse_what_they_cannot_run():
+    """One id per row: J = 1 + K is "not supported", with the reason, and so are the entropy and a
+    temperature for Liger's fused linear cross entropy."""
+    subjects = [_subject(name) for name in RIVALS]
+    several_ids = LinearCase(16, 700, "fp32", 3, True, 0.7, 128)
+    entropy = LinearCase(16, 700, "fp32", 1, True, 1.0, 128)
+    assert not any(subject.covers(several_ids) for subject in subjects)
+    notes = refusal_notes([several_ids, entropy], subjects)
+    for name in RIVALS:
+        assert any(note.startswith(f"{name}: not supported, takes one id per row") for note in notes), notes
+    assert any(note.startswith("liger_flce: not supported, returns no entropy") for note in notes), notes
+    odd_width = LinearCase(16, 700, "fp32", 1, True, 1.0, 96)
+    assert "hidden % 128" in refusal_notes([odd_width], subjects[:1])[0]
