@@ -1,7 +1,7 @@
 """Imports point one way: no module of the package (kernels, slime_ext, sglang_plugin) or of the
 benchmark imports, directly or through others, a module that imports it back, counting imports
-inside functions too (a function-level import must not be a way around a cycle), and the kernels
-import nothing of slime or SGLang.
+inside functions too (a function-level import must not be a way around a cycle), the kernels
+import nothing of slime or SGLang, and the package nothing of the benchmark.
 
 The graph is read from the source (every `import` and `from ... import` statement), so it covers
 modules that cannot be imported here (the SGLang hooks without SGLang, say)."""
@@ -94,6 +94,15 @@ def test_kernels_import_nothing_of_the_integrations():
     for module, imported in graph.items():
         if module.startswith("kernels"):
             assert {name for name in imported if not name.startswith("kernels")} == set(), module
+
+
+def test_the_package_imports_nothing_of_the_benchmark():
+    """The package never reaches the benchmark's modules, so neither the test-only stand-ins nor
+    the loop's support (bench/slime_loop/) that the tests share with the stale-rollouts study."""
+    graph = import_graph()
+    for module, imported in graph.items():
+        if not module.startswith("bench"):
+            assert {name for name in imported if name.startswith("bench")} == set(), module
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The plugin inside SGLang 0.5.23's real HTTP server on CPU (tests/test_sglang/sglang_server.py), with
+"""The plugin inside SGLang 0.5.23's real HTTP server on CPU (bench/slime_loop/sglang_server.py), with
 AGENTCORE_SGLANG_TOKEN_SAMPLES=1: draws against the model's own float64 distribution, refusals
 at the door, a mixed load, the weight version, the K bound, out-of-vocabulary input ids and the
 plugin's line in every server process's log.
@@ -24,8 +24,11 @@ import torch
 from fusedrl.sglang_plugin import parse_token_samples
 from fusedrl.sglang_plugin.constraints import DEFAULT_MAX_SAMPLES
 from fusedrl.sglang_plugin.plugin import COMPUTE_LOGPROBS_TARGET
+from bench_package import import_bench
 from sglang_harness import chi_square_p_value
-from sglang_server import (
+
+import_bench()
+from bench.slime_loop.sglang_server import (  # noqa: E402
     ENABLED_LINE,
     HOST,
     PLUGIN_ENV,

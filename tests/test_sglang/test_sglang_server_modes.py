@@ -21,7 +21,10 @@ import pytest
 from fusedrl.sglang_plugin import parse_token_samples
 from fusedrl.sglang_plugin.constraints import ENV_VAR, MAX_SAMPLES_ENV_VAR
 from fusedrl.sglang_plugin.plugin import COMPUTE_LOGPROBS_TARGET
-from sglang_server import (
+from bench_package import import_bench
+
+import_bench()
+from bench.slime_loop.sglang_server import (  # noqa: E402
     ENABLED_LINE,
     PLUGIN_ENV,
     PROMPT,

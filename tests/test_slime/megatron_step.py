@@ -27,10 +27,13 @@ from argparse import Namespace
 from typing import NamedTuple, Optional, Tuple
 
 import torch
-import upstream_slime
+from bench_package import import_bench
 from distributed import cuda_on_cpu
 from numerics import assert_parity
 from slime_harness import make_samples, micro_batch, pack_rows, slime_args
+
+import_bench()
+from bench.slime_loop import upstream_slime  # noqa: E402
 
 HIDDEN, VOCAB = 16, 40
 FIXED_STEPS = (((9, 6), (7, 5, 8), (6, 10)),)  # one step of three micro-batches: each a tuple of sample lengths

@@ -1,6 +1,6 @@
 """Drive fusedrl's slime extensions the way slime does, without slime.
 
-slime's real code (FUSEDRL_SLIME_SRC, `tests/test_slime/upstream_slime.py`) runs in
+slime's real code (FUSEDRL_SLIME_SRC, `bench/slime_loop/upstream_slime.py`) runs in
 `tests/test_slime/test_upstream_slime_*.py`: its rollout conversion, DP split, `get_batch`, `DataIterator`,
 `loss_function` and reducer (with and without `rollout_mask_sums`), its parser and its own float32
 log-prob path next to the float64 truth. What stays here is what those tests cannot serve, each

@@ -1,5 +1,5 @@
 """--fusedrl-fused-lm-head through slime's real model provider and log-prob path (FUSEDRL_SLIME_SRC;
-tests/test_slime/upstream_slime.py), on a tiny real megatron-core GPTModel (one layer, CPU).
+bench/slime_loop/upstream_slime.py), on a tiny real megatron-core GPTModel (one layer, CPU).
 
 In a spawned worker: `fusedrl.slime_ext.install` with the flag wraps slime's
 `get_model_provider_func` (also where slime's `model.py` imported it); slime builds the actor
@@ -12,9 +12,12 @@ slime's own `get_log_probs_and_entropy` on the same model's logits after `uninst
 from argparse import Namespace
 
 import torch
-import upstream_slime
+from bench_package import import_bench
 from distributed import run_on_ranks
 from numerics import assert_parity
+
+import_bench()
+from bench.slime_loop import upstream_slime  # noqa: E402
 
 upstream_slime.require()
 

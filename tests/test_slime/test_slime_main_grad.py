@@ -22,11 +22,14 @@ Pipeline and virtual-pipeline stages, and tp x cp: tests/test_slime/test_slime_m
 
 import pytest
 import torch
-import upstream_slime
+from bench_package import import_bench
 from distributed import get_pool
 from megatron_step import Setup, assert_fused_matches_unfused, step_results
 
 from fusedrl.slime_ext import main_grad
+
+import_bench()
+from bench.slime_loop import upstream_slime  # noqa: E402
 
 upstream_slime.require()
 

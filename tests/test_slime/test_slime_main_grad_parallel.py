@@ -16,9 +16,12 @@ within 1e-5 (fp32); the output weight's gradient went into `main_grad` in the fo
 """
 
 import pytest
-import upstream_slime
+from bench_package import import_bench
 from distributed import get_pool
 from megatron_step import CP_STEPS, PIPELINE_STEPS, Setup, assert_fused_matches_unfused, step_results
+
+import_bench()
+from bench.slime_loop import upstream_slime  # noqa: E402
 
 upstream_slime.require()
 

@@ -1,4 +1,4 @@
-"""fusedrl's flags through slime's real argument parser (FUSEDRL_SLIME_SRC; tests/test_slime/upstream_slime.py),
+"""fusedrl's flags through slime's real argument parser (FUSEDRL_SLIME_SRC; bench/slime_loop/upstream_slime.py),
 as slime 624b824 defines it and as a newer slime does (`stand_ins.use_newer_flags`: its own
 --pg-loss-type, --use-score-centering, --score-centering-top-k, --log-probs-backend,
 --flush-cache-interval, and a `slime_validate_args` returning `(args, restore_plan)`).
@@ -17,12 +17,15 @@ import argparse
 import os
 
 import pytest
-import stand_ins
-import upstream_slime
+from bench_package import import_bench
 from distributed import run_on_ranks
 
 from fusedrl.slime_ext.arguments import add_fusedrl_arguments
 from fusedrl.slime_ext.flags.aggregation import ROLLOUT_FUNCTION_PATH
+
+import_bench()
+from bench.slime_loop import stand_ins  # noqa: E402
+from bench.slime_loop import upstream_slime  # noqa: E402
 
 upstream_slime.require()
 

@@ -1,4 +1,4 @@
-"""The SFC workflow as one loop: slime's own train.py on CPU (tests/test_slime/slime_loop.py), from
+"""The SFC workflow as one loop: slime's own train.py on CPU (bench/slime_loop/loop.py), from
 SGLang's real server with the package's plugin through the age clock to megatron-core's optimizer
 and the weight push, on stale rollouts.
 
@@ -12,15 +12,18 @@ import math
 
 import pytest
 import torch
-import upstream_slime
+from bench_package import import_bench
+
+import_bench()
+from bench.slime_loop import upstream_slime  # noqa: E402
 
 ROOT = upstream_slime.require()
 # SGLang's start-up and the three runs, in the first test's setup: minutes on a quiet 2-core
 # machine (ENGINE_START_TIMEOUT_S and LOOP_TIMEOUT_S bound each on a busy one).
 pytestmark = pytest.mark.timeout(3600)
 
-import sglang_server  # noqa: E402
-import slime_loop  # noqa: E402
+from bench.slime_loop import loop as slime_loop  # noqa: E402
+from bench.slime_loop import sglang_server  # noqa: E402
 
 LAG, STEPS_PER_ROLLOUT = 2, 2
 GEOMETRY = {"lag": LAG, "steps_per_rollout": STEPS_PER_ROLLOUT, "samples_per_step": 16, "samples_per_prompt": 8}

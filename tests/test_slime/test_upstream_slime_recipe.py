@@ -1,6 +1,6 @@
 """The SFC recipe (slime_ext/recipes/sfc_qwen3_0.6b_gsm8k.sh) as it launches: run by bash with a
 stand-in `ray` command that records the job's command line, whose flags then go through slime's
-real argument parser with the package's flags (tests/test_slime/upstream_slime.py) and the entry point's
+real argument parser with the package's flags (bench/slime_loop/upstream_slime.py) and the entry point's
 startup checks. The recipe is the run the score-function-centering description reports, so the
 test pins that run's settings: it cannot drift from them unnoticed."""
 
@@ -10,8 +10,11 @@ import stat
 import subprocess
 
 import pytest
-import upstream_slime
+from bench_package import import_bench
 from distributed import run_on_ranks
+
+import_bench()
+from bench.slime_loop import upstream_slime  # noqa: E402
 
 ROOT = upstream_slime.require()
 RECIPE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "slime_ext", "recipes", "sfc_qwen3_0.6b_gsm8k.sh")

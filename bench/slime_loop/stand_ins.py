@@ -9,7 +9,7 @@ Two layers:
   (an installed one is always used), and `select_cpu_accelerator()`: a CPU entry in slime's device
   registry. `upstream_slime.load()` applies both for every test that imports slime's source.
 - `run_on_cpu()`: what slime's synchronous training loop (`train.py`) meets at run time on CPU, for
-  the loop test and the stale-rollouts study (`slime_loop.py`), each put where slime or
+  the loop test and the stale-rollouts study (`loop.py`), each put where slime or
   megatron-core looks it up: megatron-core's CUDA-only calls (`cpu_torch`,
   `clip_grad_by_total_norm_fp32`), TE's attention for packed sequences
   (`packed_sequence_attention`), the TE-only layer-norm name of slime's llama conversions
@@ -17,7 +17,7 @@ Two layers:
   (`initialize_megatron`, `get_model`, `core_transformer_config_from_args`; its flags:
   `megatron_args`), and Ray's placement of the train actors (`allocate_train_actors`, behind
   `ActorHandle`s). `create_placement_groups` and `rollout_manager(...)` stand for train.py's Ray
-  set-up (`slime_loop.py` hands them to it): slime's own rollout manager around an SGLang server
+  set-up (`loop.py` hands them to it): slime's own rollout manager around an SGLang server
   already running, behind `RouterForwarder`, the stand-in for SGLang's router.
 
 - `use_newer_flags()`: a newer slime's parser (THUDM/slime at d88425a0) as far as the package meets
@@ -62,7 +62,7 @@ def _placeholder(qualified: str, why: str) -> type:
     checks, but calling or instantiating it raises."""
 
     def refuse(*args, **kwargs):
-        raise RuntimeError(f"{qualified} is stubbed by tests/test_slime/stand_ins.py ({why}) and cannot run")
+        raise RuntimeError(f"{qualified} is stubbed by bench/slime_loop/stand_ins.py ({why}) and cannot run")
 
     return type(qualified.rpartition(".")[2], (), {"__init__": refuse, "__module__": qualified.rpartition(".")[0]})
 
@@ -268,6 +268,16 @@ class ActorHandle:
         return types.SimpleNamespace(remote=getattr(self._target, name))
 
 
+class _RouterServer(http.server.ThreadingHTTPServer):
+    """The forwarder's HTTP server, with a listen backlog for a whole rollout's requests at once:
+    slime opens up to `--sglang-server-concurrency` (512) connections together, and the standard
+    library's backlog of 5 dropped most of them, each then retried by slime after a second's sleep
+    (22 s of a 16-step rollout's 25 spent so)."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 class RouterForwarder:
     """SGLang's router (the sglang_router extension, not installed on CPU) in front of one engine:
     every request is forwarded to the engine unchanged, and `GET /workers` lists that engine, as
@@ -311,8 +321,7 @@ class RouterForwarder:
                 self.end_headers()
                 self.wfile.write(payload)
 
-        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _RouterServer((host, 0), Handler)
         self.host, self.port = self.server.server_address[:2]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -600,7 +609,7 @@ def rollout_manager(engine_host: str, engine_port: int):
 def run_on_cpu() -> None:
     """Put the run-time stand-ins above in place (after `upstream_slime.load()`; once per process),
     each where slime's or megatron-core's code looks the real part up. `create_placement_groups`
-    and `rollout_manager(...)` are train.py's to take (`slime_loop.py`)."""
+    and `rollout_manager(...)` are train.py's to take (`loop.py`)."""
     from megatron.core.optimizer import optimizer
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from slime.backends.megatron_utils import actor, hf_to_megatron, megatron_to_hf, model, model_provider

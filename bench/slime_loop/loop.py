@@ -3,7 +3,7 @@
 `run(config, workdir, engine)` runs slime's own `train.py` (`train(args)`, its loop unchanged:
 push v1, then per rollout `rollout_manager.generate` -> `actor_model.async_train` ->
 `actor_model.update_weights`) on slime's own objects: `RolloutManager`, `RayTrainGroup`,
-`MegatronTrainRayActor` and `SGLangEngine`, built in this process (tests/test_slime/stand_ins.py
+`MegatronTrainRayActor` and `SGLangEngine`, built in this process (bench/slime_loop/stand_ins.py
 says what stands in for Ray, the GPU and Megatron-LM's training package). On the way every real
 function runs: slime's `sglang_rollout.generate_rollout` on its event-loop thread, the package's
 SFC rollout wrapper (`fusedrl.slime_ext.rollout.sfc_draws.generate`) around slime's `generate`,
@@ -29,9 +29,9 @@ report it), the gradient norm and the SFC ages of its tokens; per rollout the we
 that sampled it and its draws; per push the version served. Each run needs a fresh process
 (slime's and megatron-core's state is per process):
 
-    python tests/test_slime/slime_loop.py CONFIG.json OUT.json [--engine HOST:PORT]
+    python -m bench.slime_loop.loop CONFIG.json OUT.json [--engine HOST:PORT]
 
-with the tests' folders on PYTHONPATH (`loop_environment`); without --engine the run starts its
+from the repository root (`loop_environment`); without --engine the run starts its
 own SGLang server. `run_in_subprocess` does both.
 """
 
@@ -47,12 +47,9 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-import sglang_server
-import stand_ins
-import target_task
-import upstream_slime
+from . import sglang_server, stand_ins, target_task, upstream_slime
 
-TESTS = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository, whose `bench` package the loop process imports
 METHODS = ("reinforce", "sfc")
 HOST = sglang_server.HOST
 ENGINE_START_TIMEOUT_S = 1200.0  # SGLang's start-up has taken over 7 minutes on a busy 2-core machine
@@ -65,8 +62,8 @@ class LoopConfig:
     method: str
     lr: float = 3e-3
     lag: int = 0
-    rollouts: int = 150
-    steps_per_rollout: int = 2
+    rollouts: int = 40  # the described run: 40 rollouts of 16 optimizer steps
+    steps_per_rollout: int = 16
     samples_per_step: int = 32
     samples_per_prompt: int = 8
     seed: int = 0
@@ -116,7 +113,7 @@ def slime_argv(config: LoopConfig, files: Files) -> list:
         "--hf-checkpoint", str(files.model), "--load", str(files.model),
         "--prompt-data", str(files.prompts), "--input-key", "prompt", "--label-key", "label", "--rollout-shuffle",
         "--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout",
-        "--custom-rm-path", "target_task.reward",
+        "--custom-rm-path", f"{target_task.__name__}.reward",
         "--num-rollout", str(config.rollouts), "--rollout-batch-size", str(rollout_prompts),
         "--n-samples-per-prompt", str(config.samples_per_prompt),
         "--rollout-max-response-len", str(target_task.ANSWER_TOKENS), "--rollout-temperature", "1.0",
@@ -297,7 +294,7 @@ class Observations:
 
 def start_engine(files: Files, workdir: Path, seed: int = sglang_server.SEED) -> sglang_server.Server:
     """SGLang's real CPU server with the package's plugin on the task's model (not waited for):
-    tests/test_sglang/sglang_server.py's, sleeping when idle so that it leaves the cores to the
+    bench/slime_loop/sglang_server.py's, sleeping when idle so that it leaves the cores to the
     trainer between rollouts."""
     stub = sglang_server.libcuda_stub(workdir / "libcuda")
     extra = ["--sleep-on-idle", "--skip-server-warmup", "--random-seed", str(seed)]
@@ -336,11 +333,11 @@ def run(config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_
 
 
 def loop_environment(**overrides) -> dict:
-    """The environment of a loop process: this one's, the tests' folders on PYTHONPATH, `overrides`
-    applied (a None value removes the variable)."""
+    """The environment of a loop process: this one's, the repository on PYTHONPATH (for
+    `bench.slime_loop` and the task's reward, which slime imports by name), `overrides` applied (a
+    None value removes the variable)."""
     env = dict(os.environ)
-    paths = [str(TESTS), str(TESTS / "test_slime"), str(TESTS / "test_sglang")]
-    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     for name, value in overrides.items():
         if value is None:
             env.pop(name, None)
@@ -358,7 +355,7 @@ def run_in_subprocess(
     workdir.mkdir(parents=True, exist_ok=True)
     config_path, out_path, log_path = workdir / "config.json", workdir / "observations.json", workdir / "loop.log"
     config_path.write_text(json.dumps(dataclasses.asdict(config)))
-    command = [sys.executable, __file__, str(config_path), str(out_path)]
+    command = [sys.executable, "-m", __spec__.name, str(config_path), str(out_path)]
     if engine is not None:
         command += ["--engine", f"{engine[0]}:{engine[1]}"]
     if task_dir is not None:

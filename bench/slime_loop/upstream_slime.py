@@ -11,7 +11,7 @@ reach the pytest process.
 slime imports a few things a CPU test machine cannot (Ray, sglang_router, Megatron-LM's training
 package, wandb, ...) and knows no CPU device: `load()` stubs those at the import boundary, only when
 missing, and selects a CPU backend in slime's device registry (`stand_ins.install_import_stubs`,
-`stand_ins.select_cpu_accelerator`; every stand-in lives in tests/test_slime/stand_ins.py).
+`stand_ins.select_cpu_accelerator`; every stand-in lives in bench/slime_loop/stand_ins.py).
 
 `parse_known_args` stands in for `slime.utils.arguments.parse_args`, whose Megatron half needs
 `megatron.training`: it runs everything of slime's parse that does not (see its docstring);
@@ -25,7 +25,8 @@ import os
 import sys
 
 import pytest
-import stand_ins
+
+from . import stand_ins
 
 ENV_VAR = "FUSEDRL_SLIME_SRC"
 

@@ -10,7 +10,7 @@ What it takes, built here at test time:
 - `tiny_model`: a random LlamaForCausalLM (vocab 1000) written with transformers'
   `save_pretrained`, its output layer scaled so the next-token distribution is far from uniform,
   and an offline word-level tokenizer (`w<id>` is token `<id>`); `llama_checkpoint` writes such a
-  model of any vocabulary (the training-loop test's task has its own, tests/test_slime/target_task.py).
+  model of any vocabulary (the training-loop test's task has its own, bench/slime_loop/target_task.py).
 - `Server`: `python -m sglang.launch_server --device cpu` with SGLANG_USE_CPU_ENGINE=1 on a free
   loopback port, in its own process group, its output in a log file; `wait_ready` polls
   `/health_generate` for a bounded time and fails with the log's tail; `stop` ends the group

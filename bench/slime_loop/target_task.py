@@ -8,14 +8,15 @@ matter. The policy is a tiny random Llama (`write_model`) with a word-level toke
 token `<id>`) and no end-of-sequence token, so every response has ANSWER_TOKENS tokens.
 
 slime reads the prompts from `write_prompts`' JSONL file (`--prompt-data`, keys `prompt` and
-`label`) and scores each sample with `reward` (`--custom-rm-path target_task.reward`).
+`label`) and scores each sample with `reward` (`--custom-rm-path bench.slime_loop.target_task.reward`).
 """
 
 import json
 from pathlib import Path
 
-import sglang_server
 import torch
+
+from . import sglang_server
 
 VOCAB = 64
 CONTEXTS = 16

@@ -1,0 +1,70 @@
+"""The stale-rollouts study's finished runs, kept in the repository: one compact JSON per run in
+bench/studies/stale_rollouts_runs/ (tracked), named by its configuration.
+
+A run's record is what the report needs and no more (a few tens of KB for 640 steps): the run's
+configuration (`LoopConfig` as a dict), its wall-clock seconds, and per optimizer step the reward
+of its samples, the drift (`ppo_kl`), the gradient norm, the policy loss and the largest SFC age of
+its tokens (None for REINFORCE, which has no age clock), each rounded to SIGNIFICANT digits. The
+study reads a run back instead of running it again, on any machine where it is committed; a record
+whose configuration differs from the one asked for under the same name is refused, never reused.
+"""
+
+import json
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
+
+SIGNIFICANT = 5  # digits kept per value: far below the seed-to-seed spread of every quantity reported
+SERIES = ("reward", "drift", "grad_norm", "pg_loss")
+
+
+def run_name(config) -> str:
+    """The record's file stem: the method, learning rate, lag, seed and geometry."""
+    return (
+        f"{config.method}-lr{config.lr:g}-lag{config.lag}-seed{config.seed}-"
+        f"{config.steps_per_rollout}spr-{config.samples_per_step}sps-{config.steps}steps"
+    )
+
+
+def _rounded(value):
+    return None if value is None else float(f"{value:.{SIGNIFICANT}g}")
+
+
+def compact(observations: dict) -> dict:
+    """The record of a run from the loop's observations (bench/slime_loop/loop.py's `Observations.result`)."""
+    steps = observations["steps"]
+    series = {key: [_rounded(step[key]) for step in steps] for key in SERIES}
+    series["max_age"] = [max(step["ages"]) if step["ages"] else None for step in steps]
+    return {"config": observations["config"], "seconds": round(observations["seconds"]), "series": series}
+
+
+class RunStore:
+    """The records in `folder`; `commit`: commit each new record to git as it is written."""
+
+    def __init__(self, folder: Path, commit: bool = False):
+        self.folder, self.commit = folder, commit
+
+    def path(self, config) -> Path:
+        return self.folder / f"{run_name(config)}.json"
+
+    def saved(self, config):
+        """The record of `config`, or None when it has not run."""
+        path = self.path(config)
+        if not path.exists():
+            return None
+        record = json.loads(path.read_text())
+        if record["config"] != asdict(config):
+            raise SystemExit(f"{path} holds another configuration than {asdict(config)}: {record['config']}")
+        return record
+
+    def save(self, config, observations: dict) -> dict:
+        """Write (and with `commit`, commit) the record of `config`'s finished run; the record."""
+        record = compact(observations)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.path(config)
+        path.write_text(json.dumps(record, separators=(",", ":")) + "\n")
+        if self.commit:
+            message = f"stale_rollouts: the run {path.stem} ({record['seconds'] // 60} min)"
+            subprocess.run(["git", "-C", str(path.parent), "add", path.name], check=True)
+            subprocess.run(["git", "-C", str(path.parent), "commit", "-q", "-m", message, "--", path.name], check=True)
+        return record
