@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CLOSING_LINE = re.compile(r"^(token_stats|segment_sum|linear_token_stats) fwd\+bwd, \d+ cases: .*$", re.M)
-COMMIT = re.compile(r"commit ([0-9a-f]{7,40})")
+COMMIT = re.compile(r"commit\s+([0-9a-f]{7,40})")
 
 
 def _section(markdown: str, heading: str) -> str:
