@@ -3,7 +3,10 @@ registers and validates them all, in the order their dependencies require."""
 
 from typing import NamedTuple
 
-from ...kernels import TEMPERATURE_RANGE
+# `fusedrl.kernels.TEMPERATURE_RANGE`, the temperatures the fused kernels answer, restated so that
+# the flags load without the kernels (tests/test_slime/test_slime_layering.py); a test keeps the two
+# equal (tests/test_slime/test_slime_features_args.py).
+TEMPERATURE_RANGE = (1e-6, 1e6)
 
 
 def check_rollout_temperature(args, where: str) -> None:

@@ -148,3 +148,10 @@ def test_the_init_hook_refuses_score_centering_toward_a_plugin_server(monkeypatc
     with pytest.raises(ValueError, match="--use-score-centering asks the SGLang engines"):
         patching.install(args)
     assert patching.installed() == {}
+
+
+def test_the_flags_check_the_kernels_temperature_range():
+    from fusedrl.kernels import TEMPERATURE_RANGE
+    from fusedrl.slime_ext import flags
+
+    assert flags.TEMPERATURE_RANGE == TEMPERATURE_RANGE
