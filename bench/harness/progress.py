@@ -29,6 +29,10 @@ class Progress:
         self.started = time.perf_counter()
         self.step_started = self.started
 
+    def expect(self, kinds) -> None:
+        """More steps of these `kinds` are to come than were known at the start."""
+        self.kinds.extend(kinds)
+
     def time_left(self) -> float:
         """Seconds the steps still to come should take, at the average of the finished ones."""
         every = statistics.fmean(seconds for times in self.took.values() for seconds in times)

@@ -11,9 +11,11 @@ bench/slime_loop/target_task.py, in a fresh process.
 The default is the described run's geometry: 16 optimizer steps per rollout, 40 rollouts (640
 steps), 32 samples a step, K = 4, beta0 = 0.3, token-sum. The study: per method, a 3-point
 learning-rate grid at lag 0 (seed 0), whose best rate (the mean reward over the last 64 steps) that
-method keeps, so that the fresh baselines are each at their best before staleness is added; then
-both methods at every lag of `--lags` (0, 4, 8: at lag 8 tokens are up to 143 steps old) over
-`--seeds` seeds: 22 runs. It prints a progress line per run with the time left.
+method keeps, so that the fresh baselines are each at their best before staleness is added; a best
+rate at an end of the grid is not bracketed, so that method's grid grows by the next rate past that
+end (half decades: 1e-4, 3e-4, 1e-3, ...) until its best lies inside; then both methods at every
+lag of `--lags` (0, 4, 8: at lag 8 tokens are up to 143 steps old) over `--seeds` seeds: 22 runs
+and one per widening. It prints a progress line per run with the time left.
 
 Each finished run's record (bench/studies/stale_rollouts_store.py) goes to `--runs`
 (bench/studies/stale_rollouts_runs/, tracked; `--commit` commits each as it finishes): a run
@@ -27,6 +29,7 @@ It needs the test stack (SGLang, megatron-core; docs/install.md) and slime's sou
 """
 
 import argparse
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +46,9 @@ QUICK_DIR = ROOT / "bench" / "results" / "stale_rollouts_quick"  # --quick's run
 METHODS = loop.METHODS
 LR_GRID = (3e-4, 1e-3, 3e-3)  # brackets the pilot's REINFORCE at 1e-3 (0.35 after 320 steps; 3e-3 stalled)
 LAGS = (0, 4, 8)
+
+
+MAX_WIDENINGS = 2  # per method; past that the study says the best rate is still at an end
 
 
 def study_configs(options) -> tuple:
@@ -62,19 +68,35 @@ def study_configs(options) -> tuple:
     return grid, main
 
 
-def best_rates(store: RunStore, grid: list) -> dict:
-    """Per method, the grid's rate with the best late reward (its records must all be there)."""
+def next_rate(rate: float, direction: int) -> float:
+    """The neighbour of `rate` on the half-decade ladder (..., 1e-4, 3e-4, 1e-3, ...), below (-1) or above (+1)."""
+    decade, odd = divmod(round(2 * math.log10(rate)) + direction, 2)
+    return float(f"{3 if odd else 1}e{decade}")
+
+
+def bracketed_rates(run, grid: list, progress=None) -> dict:
+    """Per method, the best lag-0 rate of the grid, widened past whichever end holds the best until
+    the best lies inside (at most MAX_WIDENINGS times); `run` gives the records of configs."""
     rates = {}
     for method in METHODS:
-        tried = [config for config in grid if config.method == method]
-        rates[method] = max(tried, key=lambda config: report.late_reward(store.saved(config))).lr
+        tried = sorted((config for config in grid if config.method == method), key=lambda config: config.lr)
+        for widening in range(MAX_WIDENINGS + 1):
+            records = run(tried, progress)
+            best = max(range(len(tried)), key=lambda index: report.late_reward(records[index]))
+            at_end = len(tried) > 2 and best in (0, len(tried) - 1)
+            if not at_end or widening == MAX_WIDENINGS:
+                break
+            outward = replace(tried[best], lr=next_rate(tried[best].lr, -1 if best == 0 else 1))
+            print(f"{method}: the best rate {tried[best].lr:g} is at an end of {[c.lr for c in tried]}; "
+                  f"adding {outward.lr:g}", file=sys.stderr, flush=True)  # fmt: skip
+            tried.insert(0 if best == 0 else len(tried), outward)
+            if progress is not None:
+                progress.expect([method])
+        rates[method] = tried[best].lr
+        if at_end:
+            print(f"{method}: the best rate {rates[method]:g} is still at an end of {[c.lr for c in tried]}",
+                  file=sys.stderr, flush=True)  # fmt: skip
     return rates
-
-
-def edge_warning(rates: dict, lrs: list) -> str:
-    """A line naming each method whose best rate is at an end of the grid (not bracketed), or ''."""
-    edges = [f"{method} at {rate:g}" for method, rate in rates.items() if len(lrs) > 2 and rate in (min(lrs), max(lrs))]
-    return f"the best rate is at an end of the grid {lrs} for {', '.join(edges)}: widen --lrs" if edges else ""
 
 
 class Study:
@@ -143,15 +165,23 @@ def _require_saved(store: RunStore, configs) -> None:
         raise SystemExit(f"no recorded runs {', '.join(missing)} in {store.folder}")
 
 
-def chosen_rates(options, store: RunStore, grid: list) -> dict:
-    """The rate per method: the grid's best (printing a line when it is at an end), or the one rate."""
+def recorded(store: RunStore):
+    """A `run` for bracketed_rates that only reads records, naming any missing one."""
+
+    def run(configs, progress=None) -> list:
+        _require_saved(store, configs)
+        return [store.saved(config) for config in configs]
+
+    return run
+
+
+def chosen_rates(options, run, grid: list, progress=None) -> dict:
+    """The rate per method: the bracketed best of the grid, or the one rate."""
     if len(options.lrs) == 1:
         return dict.fromkeys(METHODS, options.lrs[0])
-    rates = best_rates(store, grid)
-    print(f"learning rates (the best at lag 0 of {options.lrs}): {rates}", file=sys.stderr, flush=True)
-    warning = edge_warning(rates, options.lrs)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
+    rates = bracketed_rates(run, grid, progress)
+    print(f"learning rates (the best at lag 0 of the grid {options.lrs}, widened where needed): {rates}",
+          file=sys.stderr, flush=True)  # fmt: skip
     return rates
 
 
@@ -169,8 +199,7 @@ def main(argv=None) -> None:
     searched = len(options.lrs) > 1
     store = RunStore(options.runs, commit=options.commit)
     if options.report:
-        _require_saved(store, grid if searched else [])
-        configs = main_configs(chosen_rates(options, store, grid))
+        configs = main_configs(chosen_rates(options, recorded(store), grid))
         _require_saved(store, configs)
         write_report(options, store, configs)
         return
@@ -188,9 +217,7 @@ def main(argv=None) -> None:
         shared = searched and 0 in options.lags
         main_kinds = [method for method in METHODS for _ in range(len(options.lags) * options.seeds - shared)]
         progress = Progress(grid_kinds + main_kinds)
-        if searched:
-            study.run(grid, progress)
-        configs = main_configs(chosen_rates(options, store, grid))
+        configs = main_configs(chosen_rates(options, study.run, grid, progress))
         study.run(configs, progress)
     finally:
         if server is not None:

@@ -81,16 +81,35 @@ def test_late_reward_and_drift_read_the_last_steps(records):
     assert report.late_drift(sfc_stale) == pytest.approx(4e-3 * 43 / 64)  # |drift| is 4e-3 on two steps of three
 
 
-def test_each_method_keeps_its_best_rate_of_the_grid(tmp_path):
+def test_each_method_keeps_its_best_rate_of_the_grid_widened_until_bracketed(tmp_path, capsys):
     grid, _ = stale_rollouts.study_configs(options("--lrs", "1e-3", "3e-3", "1e-2"))
-    levels = {1e-3: {"reinforce": 0.2, "sfc": 0.7}, 3e-3: {"reinforce": 0.6, "sfc": 0.4}, 1e-2: {"reinforce": 0.1, "sfc": 0.1}}
-    store = RunStore(tmp_path)
-    for config in grid:
-        store.save(config, observations(config, levels[config.lr][config.method]))
-    rates = stale_rollouts.best_rates(store, grid)
-    assert rates == {"reinforce": 3e-3, "sfc": 1e-3}
-    assert "sfc at 0.001" in stale_rollouts.edge_warning(rates, [1e-3, 3e-3, 1e-2])
-    assert stale_rollouts.edge_warning({"reinforce": 3e-3}, [1e-3, 3e-3, 1e-2]) == ""
+    # reinforce peaks inside the grid; sfc's reward keeps rising below it, peaking at 1e-4
+    levels = {"reinforce": {1e-3: 0.2, 3e-3: 0.6, 1e-2: 0.1}, "sfc": {3e-5: 0.5, 1e-4: 0.9, 3e-4: 0.8, 1e-3: 0.7, 3e-3: 0.4, 1e-2: 0.1}}
+    ran = []
+
+    def run(configs, progress):
+        ran.extend((config.method, config.lr) for config in configs if (config.method, config.lr) not in ran)
+        return [compact(observations(config, levels[config.method][config.lr])) for config in configs]
+
+    rates = stale_rollouts.bracketed_rates(run, grid)
+    assert rates == {"reinforce": 3e-3, "sfc": 1e-4}
+    assert [lr for method, lr in ran if method == "reinforce"] == [1e-3, 3e-3, 1e-2]
+    assert [lr for method, lr in ran if method == "sfc"] == [1e-3, 3e-3, 1e-2, 3e-4, 1e-4]
+    assert "sfc: the best rate 0.001 is at an end" in capsys.readouterr().err
+
+
+def test_widening_stops_after_its_limit_and_says_the_rate_is_still_at_an_end(tmp_path, capsys):
+    grid, _ = stale_rollouts.study_configs(options("--lrs", "1e-3", "3e-3", "1e-2"))
+    rates = stale_rollouts.bracketed_rates(lambda configs, progress: [compact(observations(c, 1e-4 / c.lr)) for c in configs], grid)
+    assert rates == {method: 1e-4 for method in stale_rollouts.METHODS}  # two widenings: 3e-4, then 1e-4
+    assert "still at an end" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "rate, direction, neighbour", [(3e-4, -1, 1e-4), (1e-3, -1, 3e-4), (3e-3, 1, 1e-2), (1e-2, 1, 3e-2), (1.0, -1, 0.3)]
+)
+def test_the_next_rate_is_the_half_decade_neighbour(rate, direction, neighbour):
+    assert stale_rollouts.next_rate(rate, direction) == neighbour
 
 
 def test_the_study_resumes_from_the_records_and_runs_only_the_missing(tmp_path, monkeypatch):
