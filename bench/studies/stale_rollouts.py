@@ -61,9 +61,11 @@ def study_configs(options) -> tuple:
     grid = [replace(base, method=method, lr=lr) for method in METHODS for lr in options.lrs]
 
     def main(rates: dict) -> list:
+        # lag by lag, seed by seed, both methods side by side: a sweep cut short by a session's end
+        # leaves comparable arms
         return [
             replace(base, method=method, lr=rates[method], lag=lag, seed=seed)
-            for method in METHODS for lag in options.lags for seed in range(options.seeds)
+            for lag in options.lags for seed in range(options.seeds) for method in METHODS
         ]  # fmt: skip
 
     return grid, main
@@ -227,7 +229,10 @@ def main(argv=None) -> None:
         # grid ran (lag 0, seed 0, at the chosen rate).
         grid_kinds = [config.method for config in grid if searched and store.saved(config) is None]
         shared = searched and 0 in options.lags
-        main_kinds = [method for method in METHODS for _ in range(len(options.lags) * options.seeds - shared)]
+        main_kinds = [
+            method for lag in options.lags for seed in range(options.seeds) for method in METHODS
+            if not (shared and lag == 0 and seed == 0)
+        ]  # fmt: skip
         progress = Progress(grid_kinds + main_kinds)
         configs = main_configs(chosen_rates(options, study.run, grid, progress))
         study.run(configs, progress)
