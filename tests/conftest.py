@@ -13,11 +13,31 @@ import pytest
 import torch
 from device import DEVICE, ON_GPU
 from distributed import begin_test
+from tiers import FULL_ENV, full_tier
 
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 elif not torch.cuda.is_available():
     raise RuntimeError("FUSEDRL_TEST_DEVICE=cuda but torch sees no GPU")
+
+
+_LEFT_OUT = pytest.StashKey[int]()  # how many full-tier cases this run deselected
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"full: a case of the full tier, run only under {FULL_ENV}=1 (tests/tiers.py)")
+    config.stash[_LEFT_OUT] = 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without FUSEDRL_FULL=1, deselect the full tier's cases (counted for the closing line)."""
+    if full_tier():
+        return
+    left_out = [item for item in items if item.get_closest_marker("full")]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not item.get_closest_marker("full")]
+    config.stash[_LEFT_OUT] = len(left_out)
 
 
 @pytest.fixture
@@ -52,9 +72,15 @@ def skip_groups(reports) -> list:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """End the run with one line per group of skipped tests and its reason, which names the
-    variable or package that would enable them: pytest shows skip reasons only under -rs, so a
-    run without FUSEDRL_SLIME_SRC would otherwise pass quietly with fewer tests than CI's."""
+    """End the run with the number of full-tier cases left out, and one line per group of skipped
+    tests and its reason, which names the variable or package that would enable them: pytest shows
+    skip reasons only under -rs, so a run without FUSEDRL_SLIME_SRC would otherwise pass quietly
+    with fewer tests than CI's."""
+    left_out = terminalreporter.config.stash[_LEFT_OUT]
+    if left_out:
+        terminalreporter.write_line(
+            f"the full tier: {left_out} cases not run ({FULL_ENV}=1 runs them; docs/testing.md#the-two-tiers)"
+        )
     groups = skip_groups(terminalreporter.stats.get("skipped", []))
     if not groups:
         return

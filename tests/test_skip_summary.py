@@ -1,10 +1,13 @@
-"""The skip summary of tests/conftest.py: one line per group of skipped tests, naming the reason
-(and so the variable or package that would enable them), from a pytest run on a generated folder."""
+"""The closing lines of tests/conftest.py, from pytest runs on a generated folder: the skip summary
+(one line per group of skipped tests, naming the reason, and so the variable or package that
+would enable them) and the full tier (tests/tiers.py: left out and counted unless FUSEDRL_FULL=1)."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tiers import FULL_ENV
 
 TESTS = Path(__file__).resolve().parent
 
@@ -22,18 +25,22 @@ SKIPPING = {
 }
 
 
-def run_pytest(folder: Path, files: dict) -> str:
-    """Stdout of pytest -q over `files` written into `folder`, with the session's conftest loaded
-    as a plugin (the folder has no conftest of its own and its own empty pytest.ini)."""
+def run_pytest(folder: Path, files: dict, full: str = None, returncode: int = 0) -> str:
+    """Stdout and stderr of pytest -q over `files` written into `folder`, with the session's conftest
+    loaded as a plugin (the folder has no conftest of its own and its own empty pytest.ini), under
+    FUSEDRL_FULL=`full` (None: unset); it must exit with `returncode`."""
     for name, text in {"pytest.ini": "[pytest]\n", **files}.items():
         (folder / name).write_text(text)
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    environment.pop(FULL_ENV, None)
+    if full is not None:
+        environment[FULL_ENV] = full
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", str(folder)],
         cwd=folder, env=environment, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+    assert result.returncode == returncode, result.stdout + result.stderr
+    return result.stdout + result.stderr
 
 
 def test_one_line_per_skip_reason_naming_what_enables_it(tmp_path):
@@ -50,3 +57,27 @@ def test_one_line_per_skip_reason_naming_what_enables_it(tmp_path):
 def test_nothing_skipped_prints_no_summary(tmp_path):
     out = run_pytest(tmp_path, {"test_plain.py": "def test_plain():\n    pass\n"})
     assert "1 passed" in out and "what would enable them" not in out
+
+
+TIERED = {
+    "test_tiered.py": (
+        "import pytest\nfrom tiers import with_full_tier\n\n"
+        "@pytest.mark.parametrize('v,j', with_full_tier([(1, 1), (7, 9)], (1, 7, 300), (1, 9)))\n"
+        "def test_case(v, j):\n    pass\n"
+    ),
+}
+
+
+def test_the_full_tier_is_left_out_and_counted_unless_asked_for(tmp_path):
+    out = run_pytest(tmp_path, TIERED)
+    assert "2 passed, 4 deselected" in out, out
+    assert f"the full tier: 4 cases not run ({FULL_ENV}=1 runs them" in out
+    for full, summary in (("1", "6 passed"), ("0", "2 passed, 4 deselected")):
+        out = run_pytest(tmp_path, TIERED, full)
+        assert summary in out, out
+    assert "the full tier" not in run_pytest(tmp_path, TIERED, "1")
+
+
+def test_a_tier_other_than_0_or_1_is_a_usage_error_naming_the_variable(tmp_path):
+    out = run_pytest(tmp_path, TIERED, "yes", returncode=4)
+    assert f"{FULL_ENV} must be 0 (the default tier) or 1 (the full tier), got 'yes'" in out

@@ -22,7 +22,8 @@ Each finished run's record (bench/studies/stale_rollouts_store.py) goes to `--ru
 recorded there is never run again, so the study resumes where any machine left it. Logs, weights
 and the task go to `--work` (bench/results/stale_rollouts/, ignored). At the end, and alone with
 `--report`, it writes the closing table and both charts from the records
-(bench/studies/stale_rollouts_report.py) to `--report-dir` (docs/stale_rollouts/).
+(bench/studies/stale_rollouts_report.py) to `--report-dir` (docs/stale_rollouts/); `--report
+--partial` reports the runs recorded so far while the sweep spans sessions.
 
 It needs the test stack (SGLang, megatron-core; docs/install.md) and slime's source
 (FUSEDRL_SLIME_SRC, as for the tests).
@@ -60,9 +61,11 @@ def study_configs(options) -> tuple:
     grid = [replace(base, method=method, lr=lr) for method in METHODS for lr in options.lrs]
 
     def main(rates: dict) -> list:
+        # lag by lag, seed by seed, both methods side by side: a sweep cut short by a session's end
+        # leaves comparable arms
         return [
             replace(base, method=method, lr=rates[method], lag=lag, seed=seed)
-            for method in METHODS for lag in options.lags for seed in range(options.seeds)
+            for lag in options.lags for seed in range(options.seeds) for method in METHODS
         ]  # fmt: skip
 
     return grid, main
@@ -141,6 +144,8 @@ def parse(argv=None):
     parser.add_argument("--one-server", action="store_true", help="one SGLang server for every run (default: one per run)")
     parser.add_argument("--commit", action="store_true", help="git-commit each run's record as it finishes")
     parser.add_argument("--report", action="store_true", help="only write the table and charts from the recorded runs")
+    parser.add_argument("--partial", action="store_true",
+                        help="with --report: report the main runs recorded so far (the grid must be complete), naming the missing")
     parser.add_argument("--runs", type=Path, default=RUNS_DIR, help="the runs' records (read to resume, and for the report)")
     parser.add_argument("--work", type=Path, default=WORK_DIR, help="the runs' logs, weights and task")
     parser.add_argument("--report-dir", type=Path, default=REPORT_DIR, help="where the table and charts go")
@@ -152,6 +157,8 @@ def parse(argv=None):
     for name in ("seeds", "steps", "steps_per_rollout", "samples_per_step", "draws"):
         if getattr(options, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
+    if options.partial and not options.report:
+        parser.error("--partial goes with --report")
     if min(options.lags) < 0:
         parser.error(f"--lags must be >= 0, got {options.lags}")
     if options.steps % options.steps_per_rollout:
@@ -200,6 +207,13 @@ def main(argv=None) -> None:
     store = RunStore(options.runs, commit=options.commit)
     if options.report:
         configs = main_configs(chosen_rates(options, recorded(store), grid))
+        if options.partial:
+            missing = [store.path(config).stem for config in configs if store.saved(config) is None]
+            configs = [config for config in configs if store.saved(config) is not None]
+            print(f"partial report: {len(configs)} runs recorded, {len(missing)} not yet: {', '.join(missing)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            if not configs:
+                raise SystemExit(f"no main run recorded yet in {store.folder}")
         _require_saved(store, configs)
         write_report(options, store, configs)
         return
@@ -215,7 +229,10 @@ def main(argv=None) -> None:
         # grid ran (lag 0, seed 0, at the chosen rate).
         grid_kinds = [config.method for config in grid if searched and store.saved(config) is None]
         shared = searched and 0 in options.lags
-        main_kinds = [method for method in METHODS for _ in range(len(options.lags) * options.seeds - shared)]
+        main_kinds = [
+            method for lag in options.lags for seed in range(options.seeds) for method in METHODS
+            if not (shared and lag == 0 and seed == 0)
+        ]  # fmt: skip
         progress = Progress(grid_kinds + main_kinds)
         configs = main_configs(chosen_rates(options, study.run, grid, progress))
         study.run(configs, progress)

@@ -181,6 +181,23 @@ def test_the_default_is_the_described_geometry():
     assert parsed.runs == stale_rollouts.RUNS_DIR and "results" not in parsed.runs.parts  # tracked, not git-ignored
 
 
+def test_a_partial_report_covers_the_recorded_runs_and_names_the_missing(tmp_path, capsys):
+    argv = ["--lrs", "1e-3", "3e-3", "--runs", str(tmp_path / "runs"), "--report-dir", str(tmp_path / "report")]
+    grid, main = stale_rollouts.study_configs(options(*argv))
+    store = RunStore(tmp_path / "runs")
+    for config in grid:
+        store.save(config, observations(config, 0.3 if config.lr == 1e-3 else 0.6))
+    later = [config for config in main({"reinforce": 3e-3, "sfc": 3e-3}) if config.lag == 4 and config.seed == 1]
+    geometry = ["--steps", str(STEPS), "--steps-per-rollout", "2", "--seeds", str(SEEDS), "--lags", *map(str, LAGS)]
+    stale_rollouts.main(["--report", "--partial", *geometry, *argv])
+    table = (tmp_path / "report" / report.TABLE).read_text()
+    assert table.count("| 0.003 | 1 |") == 2 and "lag 4" not in table  # lag 0, seed 0 of each method: the grid's
+    err = capsys.readouterr().err
+    assert "partial report: 2 runs recorded, 6 not yet" in err and store.path(later[0]).stem in err
+    with pytest.raises(SystemExit):
+        stale_rollouts.parse(["--partial"])
+
+
 def test_report_names_the_runs_it_has_no_records_of(tmp_path):
     with pytest.raises(SystemExit, match="no recorded runs reinforce-lr0.0003-lag0-seed0"):
         stale_rollouts.main(["--report", "--runs", str(tmp_path)])

@@ -10,6 +10,7 @@ import pytest
 import torch
 from bench_package import import_bench
 from numerics import assert_no_worse_than, rel_err
+from tiers import with_full_tier
 from token_stats_cases import loss_of, make_ids, random_logits, run_with_grad, upstream_grads
 
 import_bench()
@@ -35,9 +36,12 @@ CASES = [
     (9001, 33, 1.0, False),  # a top-p replay support: many ids spread over several blocks
     (4099, 129, 0.7, True),  # slime's score centering: the sampled token and a top-128 head; repeats across id chunks
 ]
+# The full tier: every combination of these axes (V = 1024: exactly one block; 32771: a prime
+# over several blocks; J = 2: one draw).
+FULL_AXES = ((1, 7, 127, 1024, 4097, 4099, 9001, 32771), (1, 2, 9, 33, 129), (0.7, 1.0), (True, False))
 
 
-@pytest.mark.parametrize("vocab,num_ids,temperature,with_entropy", CASES)
+@pytest.mark.parametrize("vocab,num_ids,temperature,with_entropy", with_full_tier(CASES, *FULL_AXES))
 def test_fp32_forward_and_backward_match_float64(vocab, num_ids, temperature, with_entropy, device):
     gen = torch.Generator().manual_seed(vocab * 31 + num_ids)
     logits = random_logits(24, vocab, torch.float32, gen)
@@ -66,8 +70,12 @@ def test_a_loss_of_one_output_alone_gets_the_exact_gradient(used, device):
     assert rel_err(grad, truth) < FP32_TOL
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("vocab", [7, 4099])
+LOW_PRECISION = [(dtype, vocab) for vocab in (7, 4099) for dtype in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize(
+    "dtype,vocab", with_full_tier(LOW_PRECISION, (torch.bfloat16, torch.float16), (7, 127, 1024, 4099, 32771))
+)
 def test_low_precision_no_worse_than_eager(dtype, vocab, device):
     """Outputs and the logits gradient no worse than eager torch in the logits' dtype, over 5 seeds
     (numerics.assert_no_worse_than, bar 1.05: the kernel's one rounding of an fp32 gradient
