@@ -87,12 +87,14 @@ def test_each_method_keeps_its_best_rate_of_the_grid_widened_until_bracketed(tmp
     levels = {"reinforce": {1e-3: 0.2, 3e-3: 0.6, 1e-2: 0.1}, "sfc": {3e-5: 0.5, 1e-4: 0.9, 3e-4: 0.8, 1e-3: 0.7, 3e-3: 0.4, 1e-2: 0.1}}
     ran = []
 
-    def run(configs, progress):
+    def run(configs):
         ran.extend((config.method, config.lr) for config in configs if (config.method, config.lr) not in ran)
         return [compact(observations(config, levels[config.method][config.lr])) for config in configs]
 
-    rates = stale_rollouts.bracketed_rates(run, grid)
+    added = []
+    rates = stale_rollouts.bracketed_rates(run, grid, added.append)
     assert rates == {"reinforce": 3e-3, "sfc": 1e-4}
+    assert [(config.method, config.lr) for config in added] == [("sfc", 3e-4), ("sfc", 1e-4)]
     assert [lr for method, lr in ran if method == "reinforce"] == [1e-3, 3e-3, 1e-2]
     assert [lr for method, lr in ran if method == "sfc"] == [1e-3, 3e-3, 1e-2, 3e-4, 1e-4]
     assert "sfc: the best rate 0.001 is at an end" in capsys.readouterr().err
@@ -100,7 +102,7 @@ def test_each_method_keeps_its_best_rate_of_the_grid_widened_until_bracketed(tmp
 
 def test_widening_stops_after_its_limit_and_says_the_rate_is_still_at_an_end(tmp_path, capsys):
     grid, _ = stale_rollouts.study_configs(options("--lrs", "1e-3", "3e-3", "1e-2"))
-    rates = stale_rollouts.bracketed_rates(lambda configs, progress: [compact(observations(c, 1e-4 / c.lr)) for c in configs], grid)
+    rates = stale_rollouts.bracketed_rates(lambda configs: [compact(observations(c, 1e-4 / c.lr)) for c in configs], grid)
     assert rates == {method: 1e-4 for method in stale_rollouts.METHODS}  # two widenings: 3e-4, then 1e-4
     assert "still at an end" in capsys.readouterr().err
 
