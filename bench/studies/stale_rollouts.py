@@ -77,14 +77,15 @@ def next_rate(rate: float, direction: int) -> float:
     return float(f"{3 if odd else 1}e{decade}")
 
 
-def bracketed_rates(run, grid: list, progress=None) -> dict:
+def bracketed_rates(run, grid: list, widened=None) -> dict:
     """Per method, the best lag-0 rate of the grid, widened past whichever end holds the best until
-    the best lies inside (at most MAX_WIDENINGS times); `run` gives the records of configs."""
+    the best lies inside (at most MAX_WIDENINGS times); `run` gives the records of configs,
+    `widened` (if given) hears of each config a widening adds."""
     rates = {}
     for method in METHODS:
         tried = sorted((config for config in grid if config.method == method), key=lambda config: config.lr)
         for widening in range(MAX_WIDENINGS + 1):
-            records = run(tried, progress)
+            records = run(tried)
             best = max(range(len(tried)), key=lambda index: report.late_reward(records[index]))
             at_end = len(tried) > 2 and best in (0, len(tried) - 1)
             if not at_end or widening == MAX_WIDENINGS:
@@ -93,8 +94,8 @@ def bracketed_rates(run, grid: list, progress=None) -> dict:
             print(f"{method}: the best rate {tried[best].lr:g} is at an end of {[c.lr for c in tried]}; "
                   f"adding {outward.lr:g}", file=sys.stderr, flush=True)  # fmt: skip
             tried.insert(0 if best == 0 else len(tried), outward)
-            if progress is not None:
-                progress.expect([method])
+            if widened is not None:
+                widened(outward)
         rates[method] = tried[best].lr
         if at_end:
             print(f"{method}: the best rate {rates[method]:g} is still at an end of {[c.lr for c in tried]}",
@@ -175,18 +176,18 @@ def _require_saved(store: RunStore, configs) -> None:
 def recorded(store: RunStore):
     """A `run` for bracketed_rates that only reads records, naming any missing one."""
 
-    def run(configs, progress=None) -> list:
+    def run(configs) -> list:
         _require_saved(store, configs)
         return [store.saved(config) for config in configs]
 
     return run
 
 
-def chosen_rates(options, run, grid: list, progress=None) -> dict:
+def chosen_rates(options, run, grid: list, widened=None) -> dict:
     """The rate per method: the bracketed best of the grid, or the one rate."""
     if len(options.lrs) == 1:
         return dict.fromkeys(METHODS, options.lrs[0])
-    rates = bracketed_rates(run, grid, progress)
+    rates = bracketed_rates(run, grid, widened)
     print(f"learning rates (the best at lag 0 of the grid {options.lrs}, widened where needed): {rates}",
           file=sys.stderr, flush=True)  # fmt: skip
     return rates
@@ -234,7 +235,12 @@ def main(argv=None) -> None:
             if not (shared and lag == 0 and seed == 0)
         ]  # fmt: skip
         progress = Progress(grid_kinds + main_kinds)
-        configs = main_configs(chosen_rates(options, study.run, grid, progress))
+
+        def widened(config):  # a run to come, unless an earlier session recorded it
+            if store.saved(config) is None:
+                progress.expect([config.method])
+
+        configs = main_configs(chosen_rates(options, lambda configs: study.run(configs, progress), grid, widened))
         study.run(configs, progress)
     finally:
         if server is not None:

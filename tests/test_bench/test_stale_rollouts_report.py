@@ -87,12 +87,14 @@ def test_each_method_keeps_its_best_rate_of_the_grid_widened_until_bracketed(tmp
     levels = {"reinforce": {1e-3: 0.2, 3e-3: 0.6, 1e-2: 0.1}, "sfc": {3e-5: 0.5, 1e-4: 0.9, 3e-4: 0.8, 1e-3: 0.7, 3e-3: 0.4, 1e-2: 0.1}}
     ran = []
 
-    def run(configs, progress):
+    def run(configs):
         ran.extend((config.method, config.lr) for config in configs if (config.method, config.lr) not in ran)
         return [compact(observations(config, levels[config.method][config.lr])) for config in configs]
 
-    rates = stale_rollouts.bracketed_rates(run, grid)
+    added = []
+    rates = stale_rollouts.bracketed_rates(run, grid, added.append)
     assert rates == {"reinforce": 3e-3, "sfc": 1e-4}
+    assert [(config.method, config.lr) for config in added] == [("sfc", 3e-4), ("sfc", 1e-4)]
     assert [lr for method, lr in ran if method == "reinforce"] == [1e-3, 3e-3, 1e-2]
     assert [lr for method, lr in ran if method == "sfc"] == [1e-3, 3e-3, 1e-2, 3e-4, 1e-4]
     assert "sfc: the best rate 0.001 is at an end" in capsys.readouterr().err
@@ -100,7 +102,7 @@ def test_each_method_keeps_its_best_rate_of_the_grid_widened_until_bracketed(tmp
 
 def test_widening_stops_after_its_limit_and_says_the_rate_is_still_at_an_end(tmp_path, capsys):
     grid, _ = stale_rollouts.study_configs(options("--lrs", "1e-3", "3e-3", "1e-2"))
-    rates = stale_rollouts.bracketed_rates(lambda configs, progress: [compact(observations(c, 1e-4 / c.lr)) for c in configs], grid)
+    rates = stale_rollouts.bracketed_rates(lambda configs: [compact(observations(c, 1e-4 / c.lr)) for c in configs], grid)
     assert rates == {method: 1e-4 for method in stale_rollouts.METHODS}  # two widenings: 3e-4, then 1e-4
     assert "still at an end" in capsys.readouterr().err
 
@@ -144,17 +146,25 @@ def test_a_record_of_another_configuration_is_refused(tmp_path):
         store.saved(config)
 
 
-def test_report_alone_rewrites_table_and_charts_from_the_records(tmp_path, capsys):
+REPORT_GEOMETRY = ["--steps", str(STEPS), "--steps-per-rollout", "2", "--seeds", str(SEEDS), "--lags", *map(str, LAGS)]
+
+
+def recorded_grid(tmp_path) -> tuple:
+    """(argv, store, main configs at 3e-3): a grid of 1e-3 and 3e-3 recorded in tmp_path/runs, 3e-3 best."""
     argv = ["--lrs", "1e-3", "3e-3", "--runs", str(tmp_path / "runs"), "--report-dir", str(tmp_path / "report")]
     grid, main = stale_rollouts.study_configs(options(*argv))
     store = RunStore(tmp_path / "runs")
     for config in grid:
         store.save(config, observations(config, 0.3 if config.lr == 1e-3 else 0.6))
-    for config in main({"reinforce": 3e-3, "sfc": 3e-3}):
+    return argv, store, main({"reinforce": 3e-3, "sfc": 3e-3})
+
+
+def test_report_alone_rewrites_table_and_charts_from_the_records(tmp_path, capsys):
+    argv, store, configs = recorded_grid(tmp_path)
+    for config in configs:
         if store.saved(config) is None:
             store.save(config, observations(config))
-    stale_rollouts.main(["--report", "--steps", str(STEPS), "--steps-per-rollout", "2", "--seeds", str(SEEDS),
-                         "--lags", *map(str, LAGS), *argv])  # fmt: skip
+    stale_rollouts.main(["--report", *REPORT_GEOMETRY, *argv])
     table = (tmp_path / "report" / report.TABLE).read_text()
     assert table.count("| 0.003 | 2 |") == 4  # every arm at the grid's best rate, over both seeds
     assert all((tmp_path / "report" / chart).exists() for chart in (report.REWARD_CHART, report.STALENESS_CHART))
@@ -182,14 +192,9 @@ def test_the_default_is_the_described_geometry():
 
 
 def test_a_partial_report_covers_the_recorded_runs_and_names_the_missing(tmp_path, capsys):
-    argv = ["--lrs", "1e-3", "3e-3", "--runs", str(tmp_path / "runs"), "--report-dir", str(tmp_path / "report")]
-    grid, main = stale_rollouts.study_configs(options(*argv))
-    store = RunStore(tmp_path / "runs")
-    for config in grid:
-        store.save(config, observations(config, 0.3 if config.lr == 1e-3 else 0.6))
-    later = [config for config in main({"reinforce": 3e-3, "sfc": 3e-3}) if config.lag == 4 and config.seed == 1]
-    geometry = ["--steps", str(STEPS), "--steps-per-rollout", "2", "--seeds", str(SEEDS), "--lags", *map(str, LAGS)]
-    stale_rollouts.main(["--report", "--partial", *geometry, *argv])
+    argv, store, configs = recorded_grid(tmp_path)
+    later = [config for config in configs if config.lag == 4 and config.seed == 1]
+    stale_rollouts.main(["--report", "--partial", *REPORT_GEOMETRY, *argv])
     table = (tmp_path / "report" / report.TABLE).read_text()
     assert table.count("| 0.003 | 1 |") == 2 and "lag 4" not in table  # lag 0, seed 0 of each method: the grid's
     err = capsys.readouterr().err

@@ -14,6 +14,7 @@ import torch
 from device import to_device
 from numerics import rel_err
 from sm90 import Launch, compile_for_hopper
+from tiers import with_full_tier
 
 from fusedrl.kernels.reference import segment_sum_reference
 from fusedrl.kernels.segment_sum import segment_sum
@@ -57,9 +58,12 @@ SHAPES = [
     (4400, 16, 9),  # 256-row blocks: 18 partials, more than one reduction step
     (333, 20, 5),  # two channel blocks, the second partial
 ]
+# The full tier: every combination of these axes (N around the 256- and 1024-row blocks, C = None,
+# 1, 16 and 17 across the channel blocks, one segment to more segments than rows of a block).
+FULL_AXES = ((1, 255, 1029, 4400, 70001), (None, 1, 3, 16, 17, 20), (1, 9, 300))
 
 
-@pytest.mark.parametrize("num_rows,num_channels,num_segments", SHAPES)
+@pytest.mark.parametrize("num_rows,num_channels,num_segments", with_full_tier(SHAPES, *FULL_AXES))
 def test_fp32_matches_float64_reference(num_rows, num_channels, num_segments, device):
     inputs = make_inputs(num_rows, num_channels, num_segments, seed=num_rows)
     out, grad = value_and_grad(segment_sum, *inputs, device=device)
