@@ -94,13 +94,14 @@ def describe(runs) -> str:
     """The configuration the runs share, for the charts (two lines)."""
     config = runs[0]["config"]
     rates = ", ".join(f"{LABELS[m]} {seeds[0]['config']['lr']:g}" for (m, lag), seeds in arms(runs).items() if lag == 0)
-    seeds = max(len(seeds) for seeds in arms(runs).values())
+    counts = sorted({len(seeds) for seeds in arms(runs).values()})
+    seeds = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     return (
         "contextual target token (16 contexts, vocabulary 64, 8 answer tokens); slime's train.py on CPU, SGLang's "
         "server with the plugin, megatron-core; lag: the engine serves the snapshot `lag` pushes behind\n"
         f"{steps_of(runs)} steps of {config['samples_per_step']} samples, {config['steps_per_rollout']} steps per "
         f"rollout, token-sum; SFC K = {config['num_draws']}, beta0 = {config['kl_beta']}; lr {rates}; "
-        f"{seeds} seed{'s' if seeds > 1 else ''} per arm"
+        f"{seeds} seed{'s' if counts[-1] > 1 else ''} per arm"
     )
 
 

@@ -206,3 +206,9 @@ def test_a_partial_report_covers_the_recorded_runs_and_names_the_missing(tmp_pat
 def test_report_names_the_runs_it_has_no_records_of(tmp_path):
     with pytest.raises(SystemExit, match="no recorded runs reinforce-lr0.0003-lag0-seed0"):
         stale_rollouts.main(["--report", "--runs", str(tmp_path)])
+
+
+def test_the_charts_caption_states_the_seeds_per_arm(records):
+    assert report.describe(records).endswith("2 seeds per arm")
+    one_short = [run for run in records if not (run["config"]["lag"] == 4 and run["config"]["seed"] == 1)]
+    assert report.describe(one_short).endswith("1-2 seeds per arm")  # a partial report says so
