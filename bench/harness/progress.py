@@ -29,9 +29,13 @@ class Progress:
         self.started = time.perf_counter()
         self.step_started = self.started
 
-    def expect(self, kinds) -> None:
-        """More steps of these `kinds` are to come than were known at the start."""
-        self.kinds.extend(kinds)
+    def expect_next(self, kinds) -> None:
+        """Steps of these `kinds`, unknown at the start, come next, before the known ones to come."""
+        self.kinds[self.done : self.done] = kinds
+
+    def plan(self, kinds) -> None:
+        """The steps still to come are exactly these `kinds`: the start's list was an estimate."""
+        self.kinds[self.done :] = kinds
 
     def time_left(self) -> float:
         """Seconds the steps still to come should take, at the average of the finished ones."""

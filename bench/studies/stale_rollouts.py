@@ -226,8 +226,9 @@ def main(argv=None) -> None:
         server = loop.start_engine(loop.task_files(task_dir, task_dir), task_dir)
         study.engine = (loop.HOST, server.wait_ready(loop.ENGINE_START_TIMEOUT_S).port)
     try:
-        # Runs to come, by method: the grid's unrecorded ones, then the main ones but those the
-        # grid ran (lag 0, seed 0, at the chosen rate).
+        # Runs to come, by method: the grid's unrecorded ones, then, until the grid has chosen the
+        # rates, every main one but those the grid runs (lag 0, seed 0, at the chosen rate); once
+        # it has, the main ones not recorded yet.
         grid_kinds = [config.method for config in grid if searched and store.saved(config) is None]
         shared = searched and 0 in options.lags
         main_kinds = [
@@ -236,11 +237,12 @@ def main(argv=None) -> None:
         ]  # fmt: skip
         progress = Progress(grid_kinds + main_kinds)
 
-        def widened(config):  # a run to come, unless an earlier session recorded it
+        def widened(config):  # the next run, unless an earlier session recorded it
             if store.saved(config) is None:
-                progress.expect([config.method])
+                progress.expect_next([config.method])
 
         configs = main_configs(chosen_rates(options, lambda configs: study.run(configs, progress), grid, widened))
+        progress.plan([config.method for config in configs if store.saved(config) is None])
         study.run(configs, progress)
     finally:
         if server is not None:

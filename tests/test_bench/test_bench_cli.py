@@ -129,6 +129,22 @@ def test_progress_estimates_each_kind_from_its_own_finished_steps(monkeypatch):
     assert stream.getvalue().splitlines()[-1].startswith("[5/5] fast three: ") and "left" not in stream.getvalue().splitlines()[-1]
 
 
+def test_progress_counts_steps_learnt_of_later(monkeypatch):
+    clock = iter([0.0, 1.0, 11.0, 12.0, 22.0])  # start, then steps of 1 s (fast) and 10 s (slow)
+    monkeypatch.setattr("bench.harness.progress.time.perf_counter", lambda: next(clock))
+    stream = io.StringIO()
+    progress = Progress(["fast", "fast", "fast", "fast"], stream=stream)  # the start's estimate
+    progress.finished("fast one")
+    progress.expect_next(["slow"])  # a step found to be needed: it runs next
+    progress.finished("slow one")
+    progress.plan(["fast"])  # the rest turned out to be one step (others were done before)
+    progress.finished("fast two")
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "[1/4] fast one: 1.0 s; elapsed 0:01, about 0:03 left"
+    assert lines[1] == "[2/5] slow one: 10.0 s; elapsed 0:11, about 0:03 left"  # the slow step was not taken for fast
+    assert lines[2] == "[3/3] fast two: 1.0 s; elapsed 0:12"
+
+
 def test_staleness_toy_reports_every_run():
     from bench.studies.sfc_staleness import ToyConfig, run_grid
 

@@ -135,6 +135,16 @@ def test_the_study_resumes_from_the_records_and_runs_only_the_missing(tmp_path, 
     assert ran == [] and again == first
 
 
+def test_a_resumed_study_counts_only_the_runs_still_to_come(tmp_path, monkeypatch, capsys):
+    argv, store, configs = recorded_grid(tmp_path)
+    earlier, *missing = [config for config in configs if store.saved(config) is None]
+    store.save(earlier, observations(earlier))  # recorded by an earlier session
+    monkeypatch.setattr(stale_rollouts.loop, "run_in_subprocess", lambda config, *args, **env: observations(config))
+    stale_rollouts.main([*REPORT_GEOMETRY, *argv])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in lines] == [f"[{n}/{len(missing)}" for n in range(1, len(missing) + 1)]
+
+
 def test_a_record_of_another_configuration_is_refused(tmp_path):
     config = stale_rollouts.loop.LoopConfig("sfc", rollouts=2)
     store = RunStore(tmp_path)
