@@ -98,7 +98,7 @@ def describe(runs) -> str:
     seeds = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     return (
         "contextual target token (16 contexts, vocabulary 64, 8 answer tokens); slime's train.py on CPU, SGLang's "
-        "server with the plugin, megatron-core; lag: the engine serves the snapshot `lag` pushes behind\n"
+        "server with the plugin, megatron-core; lag: the engine serves the snapshot `lag` pushes behind the trainer\n"
         f"{steps_of(runs)} steps of {config['samples_per_step']} samples, {config['steps_per_rollout']} steps per "
         f"rollout, token-sum; SFC K = {config['num_draws']}, beta0 = {config['kl_beta']}; lr {rates}; "
         f"{seeds} seed{'s' if counts[-1] > 1 else ''} per arm"
