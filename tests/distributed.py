@@ -9,8 +9,7 @@ live workers would exceed MAX_POOL_WORKERS: each worker holds about 1 GiB (torch
 the interpreter), and keeping every configuration's pool to the end held 22 of them, 18 of the
 machine's 24 GiB. `run_on_ranks(world_size, fn, *args)`
 runs `fn(rank, world_size, *args)` once on fresh workers without Megatron, for tests that set up
-their own groups; its workers count against the same limit (kept pools are closed to make room),
-where they came on top of it and held 11 workers (10.9 GiB) in CI.
+their own groups.
 
 Workers run on CPU, in the Triton interpreter, also in a FUSEDRL_TEST_DEVICE=cuda session: gloo
 has no CUDA collectives, so tests on these groups stay on CPU (single-rank loss tests run on the
@@ -271,7 +270,6 @@ def _with_rank(info: RankInfo, fn, *args):
 def run_on_ranks(world_size: int, fn, *args):
     """[fn(0, world_size, *args), ..., fn(world_size - 1, ...)] on fresh workers of one gloo group
     without Megatron (the function sets up whatever it needs; nothing outlives the call)."""
-    _evict_for(world_size)
     pool = DistributedPool(dp=world_size, megatron=False)
     try:
         return pool.run(_with_rank, fn, *args)
