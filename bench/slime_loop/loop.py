@@ -12,7 +12,8 @@ sampled token plus K draws, the task's reward (`target_task.reward`), GRPO norma
 conversion to train data and DP split, `get_batch` with the package's carried inputs,
 `forward_only` on the package's log-prob path, `train_one_step` with the package's
 before-train-step hook (the age clock), slime's `loss_function` with the package's SFC loss or its
-REINFORCE (`--pg-loss-type reinforce` of `fusedrl.slime_ext.losses.policy_loss`), megatron-core's
+REINFORCE (`--pg-loss-type reinforce` of `fusedrl.slime_ext.losses.policy_loss`) or slime's own
+PPO-clip policy loss with its off-policy corrections (`PPO_CORRECTIONS`), megatron-core's
 optimizer, `UpdateWeightFromDisk` (the package's push recorder) writing the HF checkpoint, and
 SGLang's `/update_weights_from_disk` with the weight version. The Megatron model starts from the
 task's tiny Llama initialised with the run's seed (slime's HF load, `--load`), which the first push
@@ -24,8 +25,10 @@ tokens are sampled by weights `lag` pushes behind the trainer, and the package's
 their age in optimizer steps.
 
 What the run saw (`Observations`) comes back as JSON: per optimizer step the reward of its samples,
-the drift (`ppo_kl`: SGLang's log-prob of each sampled token minus Megatron's, as the losses
-report it), the gradient norm and the SFC ages of its tokens; per rollout the weight versions
+the drift (SGLang's log-prob of each sampled token minus Megatron's at the step: the losses'
+`ppo_kl` for REINFORCE and SFC, `sampler_drift` for slime's PPO loss, whose `ppo_kl` is against
+the old log-probs), the gradient norm, the SFC ages of its tokens and, for the PPO arms, what
+slime reports of its clip and TIS (pg_clipfrac, tis, tis_clipfrac); per rollout the weight versions
 that sampled it and its draws; per push the version served. Each run needs a fresh process
 (slime's and megatron-core's state is per process):
 
@@ -50,7 +53,18 @@ from typing import NamedTuple, Optional
 from . import sglang_server, stand_ins, target_task, upstream_slime
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository, whose `bench` package the loop process imports
-METHODS = ("reinforce", "sfc")
+# slime's PPO-clip loss (--loss-type policy_loss) as slime users run it on stale rollouts, by its
+# off-policy correction against the sampler's log-probs: none, TIS (--use-tis --tis-clip 2, the
+# trainer's old log-probs over the sampler's, clipped at 2) or icepop (slime's icepop_function:
+# ratios outside 0.5-2 weigh 0). The clip band is slime's example scripts' clip-higher 0.2 / 0.28.
+PPO_CLIP = ["--eps-clip", "0.2", "--eps-clip-high", "0.28"]
+PPO_CORRECTIONS = {
+    "ppo": [],
+    "ppo_tis": ["--use-tis", "--tis-clip", "2"],
+    "icepop": ["--use-tis", "--tis-clip", "2", "--tis-clip-low", "0.5",
+               "--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"],
+}  # fmt: skip
+METHODS = ("reinforce", "sfc", *PPO_CORRECTIONS)
 HOST = sglang_server.HOST
 ENGINE_START_TIMEOUT_S = 1200.0  # SGLang's start-up has taken over 7 minutes on a busy 2-core machine
 
@@ -132,6 +146,10 @@ def slime_argv(config: LoopConfig, files: Files) -> list:
             "--sfc-num-auxiliary-token-samples", str(config.num_draws), "--sfc-kl-beta", str(config.kl_beta),
             "--sfc-loss-agg-mode", "token-sum",
         ]  # fmt: skip
+    if config.method in PPO_CORRECTIONS:
+        # slime's own loss and aggregation (its default reducer: the mean over each sample's tokens,
+        # summed over samples); old log-probs recomputed by the trainer before each rollout's first step
+        return argv + ["--loss-type", "policy_loss", *PPO_CLIP, *PPO_CORRECTIONS[config.method]]
     # Ratio-free REINFORCE, token-sum; the rollout log-probs as the old ones, so that ppo_kl is the
     # drift from the sampler (REINFORCE reads no old log-prob otherwise).
     return argv + [
@@ -179,6 +197,29 @@ def serve_lagged(lag: int, served: list):
     RayTrainGroup._reload_rollout_weights_from_disk = reload_lagged
 
 
+PPO_METRICS = ("pg_clipfrac", "tis", "tis_clipfrac", "ppo_kl")  # what slime's PPO loss reports, kept per step
+
+
+def record_sampler_drift() -> None:
+    """slime's policy loss reports `sampler_drift` beside its metrics: the mean over tokens (its
+    reducer, as for ppo_kl) of the sampler's log-prob minus the trainer's at the step. Its own
+    ppo_kl is against the old log-probs recomputed before the rollout's first step, so the drift
+    from the sampler is (rollout - old) + ppo_kl, by the reducer's linearity."""
+    import torch
+    from slime.backends.megatron_utils import loss
+
+    policy_loss_function = loss.policy_loss_function
+
+    def with_sampler_drift(args, batch, logits, sum_of_sample_mean):
+        result, metrics = policy_loss_function(args, batch, logits, sum_of_sample_mean)
+        if batch.get("rollout_log_probs") and batch.get("log_probs"):
+            gap = torch.cat(batch["rollout_log_probs"]) - torch.cat(batch["log_probs"])
+            metrics["sampler_drift"] = (sum_of_sample_mean(gap) + metrics["ppo_kl"]).detach()
+        return result, metrics
+
+    loss.policy_loss_function = with_sampler_drift
+
+
 class Observations:
     """What the run saw, recorded where slime hands it over (each recorder returns what it wraps
     returns, unchanged)."""
@@ -224,6 +265,7 @@ class Observations:
             return compute_advantages(args, rollout_data)
 
         actor.compute_advantages_and_returns = recording_drift
+        record_sampler_drift()
         ages = age.CLOCK.ages
 
         def recording_ages(versions):
@@ -265,16 +307,18 @@ class Observations:
 
     def result(self) -> dict:
         steps = []
+        ppo = self.config.method in PPO_CORRECTIONS
         for step, log in enumerate(self.train_logs):
             steps.append(
                 {
                     "step": step,
                     "rollout": step // self.config.steps_per_rollout,
                     "reward": self.step_rewards[step],
-                    "drift": log.get("train/ppo_kl"),
+                    "drift": log.get("train/sampler_drift" if ppo else "train/ppo_kl"),
                     "grad_norm": log.get("train/grad_norm"),
                     "pg_loss": log.get("train/pg_loss"),
                     "ages": self.ages.get(step),
+                    **({key: log.get(f"train/{key}") for key in PPO_METRICS} if ppo else {}),
                 }
             )
         from fusedrl.kernels import _dispatch
@@ -292,13 +336,26 @@ class Observations:
         }
 
 
-def start_engine(files: Files, workdir: Path, seed: int = sglang_server.SEED) -> sglang_server.Server:
+def pinned(command: list, cpu: Optional[int]) -> list:
+    """`command` run on core `cpu` alone with one compute thread (None: unchanged): a run that
+    shares the machine with others keeps to its own core."""
+    return command if cpu is None else ["taskset", "-c", str(cpu), *command]
+
+
+def pinned_env(cpu: Optional[int]) -> dict:
+    """The environment changes that go with `pinned`: one OpenMP thread on a pinned core."""
+    return {} if cpu is None else {"OMP_NUM_THREADS": "1"}
+
+
+def start_engine(files: Files, workdir: Path, seed: int = sglang_server.SEED, cpu: Optional[int] = None) -> sglang_server.Server:
     """SGLang's real CPU server with the package's plugin on the task's model (not waited for):
     bench/slime_loop/sglang_server.py's, sleeping when idle so that it leaves the cores to the
-    trainer between rollouts."""
+    trainer between rollouts; on core `cpu` alone when given (`pinned`)."""
     stub = sglang_server.libcuda_stub(workdir / "libcuda")
     extra = ["--sleep-on-idle", "--skip-server-warmup", "--random-seed", str(seed)]
-    return sglang_server.Server(files.model, stub, workdir / "server.log", env=sglang_server.PLUGIN_ENV, extra_args=extra)
+    launcher = pinned([sys.executable, "-m", "sglang.launch_server"], cpu)
+    env = {**sglang_server.PLUGIN_ENV, **pinned_env(cpu)}
+    return sglang_server.Server(files.model, stub, workdir / "server.log", env=env, extra_args=extra, launcher=launcher)
 
 
 def run(config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_dir: Optional[Path] = None) -> dict:
@@ -348,20 +405,22 @@ def loop_environment(**overrides) -> dict:
 
 def run_in_subprocess(
     config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_dir: Optional[Path] = None,
-    timeout: Optional[float] = None, **env,
+    timeout: Optional[float] = None, cpu: Optional[int] = None, **env,
 ) -> dict:  # fmt: skip
-    """`run` in a fresh process (its output in workdir/loop.log); its observations. `env`:
-    changes to the process's environment (`loop_environment`). Fails with the log's tail."""
+    """`run` in a fresh process (its output in workdir/loop.log), on core `cpu` alone when given
+    (`pinned`; a server it starts inherits the core); its observations. `env`: changes to the
+    process's environment (`loop_environment`). Fails with the log's tail."""
     workdir.mkdir(parents=True, exist_ok=True)
     config_path, out_path, log_path = workdir / "config.json", workdir / "observations.json", workdir / "loop.log"
     config_path.write_text(json.dumps(dataclasses.asdict(config)))
-    command = [sys.executable, "-m", __spec__.name, str(config_path), str(out_path)]
+    command = pinned([sys.executable, "-m", __spec__.name, str(config_path), str(out_path)], cpu)
     if engine is not None:
         command += ["--engine", f"{engine[0]}:{engine[1]}"]
     if task_dir is not None:
         command += ["--task-dir", str(task_dir)]
     with open(log_path, "wb") as log:
-        completed = subprocess.run(command, env=loop_environment(**env), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        environment = loop_environment(**pinned_env(cpu), **env)
+        completed = subprocess.run(command, env=environment, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
     if completed.returncode != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-60:])
         raise RuntimeError(f"the loop exited with {completed.returncode}; log tail ({log_path}):\n{tail}")

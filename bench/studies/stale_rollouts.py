@@ -1,6 +1,6 @@
-"""The SFC experiment end to end on CPU: ratio-free REINFORCE against SFC + KL on fresh and stale
-rollouts, through slime's own training loop, SGLang's real server and megatron-core:
-`python -m bench.studies.stale_rollouts`.
+"""The SFC experiment end to end on CPU: SFC + KL on fresh and stale rollouts against ratio-free
+REINFORCE and against what slime users run today (slime's PPO-clip loss with TIS), through slime's
+own training loop, SGLang's real server and megatron-core: `python -m bench.studies.stale_rollouts`.
 
 Each run is the loop of bench/slime_loop/loop.py (slime's train.py with slime's own objects in one
 process, SGLang's CPU server with the package's plugin, the package's SFC rollout, age clock and
@@ -9,13 +9,22 @@ engine serves the snapshot `lag` pushes behind the trainer) on the contextual ta
 bench/slime_loop/target_task.py, in a fresh process.
 
 The default is the described run's geometry: 16 optimizer steps per rollout, 40 rollouts (640
-steps), 32 samples a step, K = 4, beta0 = 0.3, token-sum. The study: per method, a 3-point
-learning-rate grid at lag 0 (seed 0), whose best rate (the mean reward over the last 64 steps) that
-method keeps, so that the fresh baselines are each at their best before staleness is added; a best
-rate at an end of the grid is not bracketed, so that method's grid grows by the next rate past that
-end (half decades: 1e-4, 3e-4, 1e-3, ...) until its best lies inside; then both methods at every
-lag of `--lags` (0, 4, 8: at lag 8 tokens are up to 143 steps old) over `--seeds` seeds: 22 runs
-and one per widening. It prints a progress line per run with the time left.
+steps), 32 samples a step, K = 4, beta0 = 0.3. The study, in this order:
+- per method of GRID_METHODS (REINFORCE, SFC + KL, PPO + TIS), a 3-point learning-rate grid at lag
+  0 (seed 0), whose best rate (the mean reward over the last 64 steps) that method keeps, so that
+  the fresh baselines are each at their best before staleness is added; a best rate at an end of
+  the grid is not bracketed, so that method's grid grows by the next rate past that end (half
+  decades: 1e-4, 3e-4, 1e-3, ...) until its best lies inside;
+- the main arms: each of those methods at its rate, and REINFORCE at SFC + KL's rate too (the
+  described run's one shared rate; SHARED_RATE), at every lag of `--lags` (0, 4, 8: at lag 8 tokens
+  are up to 143 steps old) over `--seeds` seeds, lag by lag;
+- then, unless --no-extra, EXTRA_ARMS over the seeds: lag 16 for SFC + KL and PPO + TIS, PPO-clip
+  without TIS at lags 4 and 8 (what TIS buys), icepop at lag 8 (at PPO + TIS's rate).
+It prints a progress line per run with the time left.
+
+`--workers N` runs N runs at once, each pinned to a core of its own with its own SGLang server and
+one compute thread (bench/slime_loop/loop.py's `pinned`); docs/results.md gives runs per hour
+either way.
 
 Each finished run's record (bench/studies/stale_rollouts_store.py) goes to `--runs`
 (bench/studies/stale_rollouts_runs/, tracked; `--commit` commits each as it finishes): a run
@@ -31,7 +40,10 @@ It needs the test stack (SGLang, megatron-core; docs/install.md) and slime's sou
 
 import argparse
 import math
+import os
+import queue
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,6 +57,11 @@ REPORT_DIR = ROOT / "docs" / "stale_rollouts"
 WORK_DIR = ROOT / "bench" / "results" / "stale_rollouts"
 QUICK_DIR = ROOT / "bench" / "results" / "stale_rollouts_quick"  # --quick's runs, work and report: never committed
 METHODS = loop.METHODS
+GRID_METHODS = ("reinforce", "sfc", "ppo_tis")  # each at the best rate of its own grid
+SHARED_RATE = {"reinforce": "sfc"}  # also run at that method's rate: the described run's one rate for both
+# (method, lag) after the main arms, each at the rate of RATE_OF's method (else its own)
+EXTRA_ARMS = (("sfc", 16), ("ppo_tis", 16), ("ppo", 4), ("ppo", 8), ("icepop", 8))
+RATE_OF = {"ppo": "ppo_tis", "icepop": "ppo_tis"}
 LR_GRID = (3e-4, 1e-3, 3e-3)  # brackets the pilot's REINFORCE at 1e-3 (0.35 after 320 steps; 3e-3 stalled)
 LAGS = (0, 4, 8)
 
@@ -53,20 +70,27 @@ MAX_WIDENINGS = 2  # per method; past that the study says the best rate is still
 
 
 def study_configs(options) -> tuple:
-    """(the grid's configs, a function from the chosen rates to the main configs)."""
+    """(the grid's configs, a function from the chosen rates to the main configs: the arms of the
+    methods whose rate is given, lag by lag, seed by seed, then the extra arms)."""
     base = loop.LoopConfig(
         "sfc", rollouts=options.steps // options.steps_per_rollout, steps_per_rollout=options.steps_per_rollout,
         samples_per_step=options.samples_per_step, num_draws=options.draws, kl_beta=options.kl_beta,
     )  # fmt: skip
-    grid = [replace(base, method=method, lr=lr) for method in METHODS for lr in options.lrs]
+    grid = [replace(base, method=method, lr=lr) for method in GRID_METHODS for lr in options.lrs]
 
-    def main(rates: dict) -> list:
-        # lag by lag, seed by seed, both methods side by side: a sweep cut short by a session's end
-        # leaves comparable arms
-        return [
-            replace(base, method=method, lr=rates[method], lag=lag, seed=seed)
-            for lag in options.lags for seed in range(options.seeds) for method in METHODS
+    def main(rates: dict, extra: bool = True) -> list:
+        arms = [(method, method) for method in GRID_METHODS]
+        arms += [(method, rate_of) for method, rate_of in SHARED_RATE.items() if rates.get(rate_of) != rates.get(method)]
+        configs = [
+            replace(base, method=method, lr=rates[rate_of], lag=lag, seed=seed)
+            for lag in options.lags for seed in range(options.seeds) for method, rate_of in arms if rate_of in rates
         ]  # fmt: skip
+        extras = [(method, lag) for method, lag in EXTRA_ARMS if extra and options.extra and RATE_OF.get(method, method) in rates]
+        configs += [
+            replace(base, method=method, lr=rates[RATE_OF.get(method, method)], lag=lag, seed=seed)
+            for method, lag in extras for seed in range(options.seeds)
+        ]  # fmt: skip
+        return configs
 
     return grid, main
 
@@ -77,12 +101,12 @@ def next_rate(rate: float, direction: int) -> float:
     return float(f"{3 if odd else 1}e{decade}")
 
 
-def bracketed_rates(run, grid: list, widened=None) -> dict:
-    """Per method, the best lag-0 rate of the grid, widened past whichever end holds the best until
-    the best lies inside (at most MAX_WIDENINGS times); `run` gives the records of configs,
-    `widened` (if given) hears of each config a widening adds."""
+def bracketed_rates(run, grid: list, widened=None, methods=GRID_METHODS) -> dict:
+    """Per method of `methods`, the best lag-0 rate of the grid, widened past whichever end holds
+    the best until the best lies inside (at most MAX_WIDENINGS times); `run` gives the records of
+    configs, `widened` (if given) hears of each config a widening adds."""
     rates = {}
-    for method in METHODS:
+    for method in methods:
         tried = sorted((config for config in grid if config.method == method), key=lambda config: config.lr)
         for widening in range(MAX_WIDENINGS + 1):
             records = run(tried)
@@ -104,36 +128,59 @@ def bracketed_rates(run, grid: list, widened=None) -> dict:
 
 
 class Study:
-    """Runs configs (or reads their records) with a progress line each; `engine`: (host, port) of
-    one SGLang server for every run, whose task lives in `work`/task."""
+    """Runs configs (or reads their records) with a progress line each, `len(engines)` at a time:
+    `engines` holds per worker the (host, port) of its SGLang server, whose task lives in
+    `work`/task, or None for a server per run; with more than one worker, worker i keeps to core i."""
 
-    def __init__(self, store: RunStore, work: Path, engine=None):
-        self.store, self.work, self.engine = store, work, engine
+    def __init__(self, store: RunStore, work: Path, engines=(None,)):
+        self.store, self.work, self.engines = store, work, list(engines)
+        self.lock = threading.Lock()  # the store's commits and the progress lines, one at a time
 
     def run(self, configs, progress) -> list:
         """The records of `configs`, running those not recorded yet."""
-        records = []
-        for config in configs:
-            record = self.store.saved(config)
-            if record is None:
-                name = self.store.path(config).stem
-                task_dir = self.work / "task" if self.engine else None
+        todo = queue.Queue()
+        for config in dict.fromkeys(config for config in configs if self.store.saved(config) is None):
+            todo.put(config)
+        failures = []
+        workers = [
+            threading.Thread(target=self._work, args=(todo, engine, None if len(self.engines) == 1 else cpu, progress, failures))
+            for cpu, engine in enumerate(self.engines)
+        ]  # fmt: skip
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        if failures:
+            raise failures[0]
+        return [self.store.saved(config) for config in configs]
+
+    def _work(self, todo, engine, cpu, progress, failures) -> None:
+        while not failures:
+            try:
+                config = todo.get_nowait()
+            except queue.Empty:
+                return
+            name = self.store.path(config).stem
+            try:
                 # the losses on the float64 reference path: the fused kernels through the Triton
                 # interpreter would cost seconds per training call (the CI test runs them in the loop)
                 observations = loop.run_in_subprocess(
-                    config, self.work / "runs" / name, self.engine, task_dir, TRITON_INTERPRET=None
-                )
-                record = self.store.save(config, observations)
+                    config, self.work / "runs" / name, engine, self.work / "task" if engine else None,
+                    cpu=cpu, TRITON_INTERPRET=None,
+                )  # fmt: skip
+            except Exception as error:  # noqa: BLE001: the study stops once the running runs end
+                failures.append(error)
+                return
+            with self.lock:
+                record = self.store.save(config, observations, concurrent=len(self.engines))
                 progress.finished(f"{name}: reward over its last steps {report.late_reward(record):.3f}")
-            records.append(record)
-        return records
 
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="smoke size: 6 steps of 16 samples, 2 steps per rollout, lags 0 and 2, one seed, "
-                        f"no grid (lr 3e-3); runs, work and report in {QUICK_DIR.relative_to(ROOT)}")  # fmt: skip
+                        f"no grid (lr 3e-3), no extra arms; runs, work and report in {QUICK_DIR.relative_to(ROOT)}")  # fmt: skip
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--lags", type=int, nargs="+", default=list(LAGS), help="staleness of each arm, in weight pushes")
     parser.add_argument("--steps", type=int, default=640, help="optimizer steps per run")
@@ -142,7 +189,11 @@ def parse(argv=None):
     parser.add_argument("--draws", type=int, default=4, help="K, SFC's draws per token")
     parser.add_argument("--kl-beta", type=float, default=0.3, help="beta0 of SFC's KL")
     parser.add_argument("--lrs", type=float, nargs="+", default=list(LR_GRID), help="the lag-0 learning-rate grid")
-    parser.add_argument("--one-server", action="store_true", help="one SGLang server for every run (default: one per run)")
+    parser.add_argument("--no-extra", dest="extra", action="store_false",
+                        help=f"only the grid and the main arms, not the extra arms {list(EXTRA_ARMS)}")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="runs at once, each on a core of its own (default: %(default)s, from the cores this process may use)")  # fmt: skip
+    parser.add_argument("--one-server", action="store_true", help="one SGLang server per worker for all its runs (default: one per run)")
     parser.add_argument("--commit", action="store_true", help="git-commit each run's record as it finishes")
     parser.add_argument("--report", action="store_true", help="only write the table and charts from the recorded runs")
     parser.add_argument("--partial", action="store_true",
@@ -153,11 +204,13 @@ def parse(argv=None):
     options = parser.parse_args(argv)
     if options.quick:
         options.seeds, options.lags, options.steps, options.steps_per_rollout = 1, [0, 2], 6, 2
-        options.samples_per_step, options.lrs, options.one_server = 16, [3e-3], True
+        options.samples_per_step, options.lrs, options.one_server, options.extra = 16, [3e-3], True, False
         options.runs, options.work, options.report_dir = QUICK_DIR / "records", QUICK_DIR, QUICK_DIR
-    for name in ("seeds", "steps", "steps_per_rollout", "samples_per_step", "draws"):
+    for name in ("seeds", "steps", "steps_per_rollout", "samples_per_step", "draws", "workers"):
         if getattr(options, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
+    if options.workers > len(os.sched_getaffinity(0)):
+        parser.error(f"--workers {options.workers} is more than the {len(os.sched_getaffinity(0))} cores this process may use")
     if options.partial and not options.report:
         parser.error("--partial goes with --report")
     if min(options.lags) < 0:
@@ -165,6 +218,11 @@ def parse(argv=None):
     if options.steps % options.steps_per_rollout:
         parser.error(f"--steps ({options.steps}) must be a multiple of --steps-per-rollout ({options.steps_per_rollout})")
     return options
+
+
+def default_workers() -> int:
+    """Runs at once by default: one (docs/results.md measures runs per hour)."""
+    return 1
 
 
 def _require_saved(store: RunStore, configs) -> None:
@@ -183,13 +241,24 @@ def recorded(store: RunStore):
     return run
 
 
-def chosen_rates(options, run, grid: list, widened=None) -> dict:
-    """The rate per method: the bracketed best of the grid, or the one rate."""
+def chosen_rates(options, run, grid: list, widened=None, methods=GRID_METHODS) -> dict:
+    """The rate per method of `methods`: the bracketed best of the grid, or the one rate."""
     if len(options.lrs) == 1:
         return dict.fromkeys(METHODS, options.lrs[0])
-    rates = bracketed_rates(run, grid, widened)
+    rates = bracketed_rates(run, grid, widened, methods)
     print(f"learning rates (the best at lag 0 of the grid {options.lrs}, widened where needed): {rates}",
           file=sys.stderr, flush=True)  # fmt: skip
+    return rates
+
+
+def recorded_rates(options, store: RunStore, grid: list) -> dict:
+    """The rates of the methods whose grid (and any widening it needs) is recorded already."""
+    rates = {}
+    for method in GRID_METHODS:
+        try:
+            rates.update(chosen_rates(options, recorded(store), grid, methods=(method,)))
+        except SystemExit:
+            continue
     return rates
 
 
@@ -199,12 +268,25 @@ def write_report(options, store: RunStore, configs) -> None:
     print(f"wrote {report.TABLE}, {report.REWARD_CHART}, {report.STALENESS_CHART} in {options.report_dir}")
 
 
+def start_engines(options) -> list:
+    """A started SGLang server per worker (pinned to its core when there are several)."""
+    task_dir = options.work / "task"
+    task_dir.mkdir(parents=True, exist_ok=True)
+    files = loop.task_files(task_dir, task_dir)
+    pin = options.workers > 1
+    servers = []
+    for worker in range(options.workers):
+        folder = options.work / f"server{worker}" if pin else task_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        servers.append(loop.start_engine(files, folder, cpu=worker if pin else None))
+    return servers
+
+
 def main(argv=None) -> None:
     options = parse(argv)
     from ..harness.progress import Progress
 
     grid, main_configs = study_configs(options)
-    searched = len(options.lrs) > 1
     store = RunStore(options.runs, commit=options.commit)
     if options.report:
         configs = main_configs(chosen_rates(options, recorded(store), grid))
@@ -218,24 +300,25 @@ def main(argv=None) -> None:
         _require_saved(store, configs)
         write_report(options, store, configs)
         return
-    study = Study(store, options.work)
-    server = None
-    if options.one_server:
-        task_dir = options.work / "task"
-        task_dir.mkdir(parents=True, exist_ok=True)
-        server = loop.start_engine(loop.task_files(task_dir, task_dir), task_dir)
-        study.engine = (loop.HOST, server.wait_ready(loop.ENGINE_START_TIMEOUT_S).port)
+    servers = start_engines(options) if options.one_server else []
+    engines = [(loop.HOST, server.wait_ready(loop.ENGINE_START_TIMEOUT_S).port) for server in servers] or [None] * options.workers
+    study = Study(store, options.work, engines)
     try:
-        # Runs to come, by method: the grid's unrecorded ones, then, until the grid has chosen the
-        # rates, every main one but those the grid runs (lag 0, seed 0, at the chosen rate); once
-        # it has, the main ones not recorded yet.
-        grid_kinds = [config.method for config in grid if searched and store.saved(config) is None]
-        shared = searched and 0 in options.lags
-        main_kinds = [
-            method for lag in options.lags for seed in range(options.seeds) for method in METHODS
-            if not (shared and lag == 0 and seed == 0)
+        # First, side by side, the grid's unrecorded runs and the main arms of the methods whose
+        # rate the records decide already; then the rates of the rest (widening where needed), the
+        # main arms still to come and the extra arms. The runs to come are estimated until the
+        # rates are chosen: the undecided methods' arms at any one rate, less their lag-0 seed-0
+        # runs, which the grid shares.
+        searched = len(options.lrs) > 1
+        known = recorded_rates(options, store, grid) if searched else chosen_rates(options, None, grid)
+        first = [config for config in grid + main_configs(known, extra=False) if store.saved(config) is None]
+        later = [
+            config for config in main_configs({**dict.fromkeys(GRID_METHODS, options.lrs[0]), **known})
+            if config not in first and store.saved(config) is None
+            and not (searched and config.lag == config.seed == 0 and config.method in set(GRID_METHODS) - set(known))
         ]  # fmt: skip
-        progress = Progress(grid_kinds + main_kinds)
+        progress = Progress([config.method for config in dict.fromkeys(first + later)])
+        study.run(first, progress)
 
         def widened(config):  # the next run, unless an earlier session recorded it
             if store.saved(config) is None:
@@ -245,7 +328,7 @@ def main(argv=None) -> None:
         progress.plan([config.method for config in configs if store.saved(config) is None])
         study.run(configs, progress)
     finally:
-        if server is not None:
+        for server in servers:
             server.stop()
     write_report(options, store, configs)
 

@@ -2,9 +2,11 @@
 bench/studies/stale_rollouts_runs/ (tracked), named by its configuration.
 
 A run's record is what the report needs and no more (a few tens of KB for 640 steps): the run's
-configuration (`LoopConfig` as a dict), its wall-clock seconds, and per optimizer step the reward
-of its samples, the drift (`ppo_kl`), the gradient norm, the policy loss and the largest SFC age of
-its tokens (None for REINFORCE, which has no age clock), each rounded to SIGNIFICANT digits. The
+configuration (`LoopConfig` as a dict), its wall-clock seconds and how many runs shared the machine
+meanwhile (`concurrent`), and per optimizer step the reward of its samples, the drift from the
+sampler, the gradient norm, the policy loss, the largest SFC age of its tokens (None but for SFC,
+the one method with an age clock) and, for slime's PPO loss, its clip fraction, TIS weight and TIS
+clip fraction and its ppo_kl against the old log-probs, each rounded to SIGNIFICANT digits. The
 study reads a run back instead of running it again, on any machine where it is committed; a record
 whose configuration differs from the one asked for under the same name is refused, never reused.
 """
@@ -13,6 +15,8 @@ import json
 import subprocess
 from dataclasses import asdict
 from pathlib import Path
+
+from ..slime_loop.loop import PPO_METRICS
 
 SIGNIFICANT = 5  # digits kept per value: far below the seed-to-seed spread of every quantity reported
 SERIES = ("reward", "drift", "grad_norm", "pg_loss")
@@ -33,9 +37,13 @@ def _rounded(value):
 def compact(observations: dict) -> dict:
     """The record of a run from the loop's observations (bench/slime_loop/loop.py's `Observations.result`)."""
     steps = observations["steps"]
-    series = {key: [_rounded(step[key]) for step in steps] for key in SERIES}
+    kept = SERIES + tuple(key for key in PPO_METRICS if any(step.get(key) is not None for step in steps))
+    series = {key: [_rounded(step.get(key)) for step in steps] for key in kept}
     series["max_age"] = [max(step["ages"]) if step["ages"] else None for step in steps]
-    return {"config": observations["config"], "seconds": round(observations["seconds"]), "series": series}
+    record = {"config": observations["config"], "seconds": round(observations["seconds"]), "series": series}
+    if observations.get("concurrent", 1) != 1:
+        record["concurrent"] = observations["concurrent"]
+    return record
 
 
 class RunStore:
@@ -57,9 +65,10 @@ class RunStore:
             raise SystemExit(f"{path} holds another configuration than {asdict(config)}: {record['config']}")
         return record
 
-    def save(self, config, observations: dict) -> dict:
-        """Write (and with `commit`, commit) the record of `config`'s finished run; the record."""
-        record = compact(observations)
+    def save(self, config, observations: dict, concurrent: int = 1) -> dict:
+        """Write (and with `commit`, commit) the record of `config`'s finished run, one of
+        `concurrent` runs at once on the machine; the record."""
+        record = compact({**observations, "concurrent": concurrent})
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(config)
         path.write_text(json.dumps(record, separators=(",", ":")) + "\n")

@@ -21,11 +21,17 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def observations(config, level: float = 0.5) -> dict:
     """The loop's observations of `config`'s run: reward climbing linearly to `level`, drift growing
-    with the lag, SFC ages 2 * lag + step % 2."""
+    with the lag, SFC ages 2 * lag + step % 2; for slime's PPO loss its metrics (TIS's only with a
+    correction): clip fraction 0.1 + lag / 100, TIS weight 1 + lag / 10 on even steps, 1 on odd
+    ones, TIS clip fraction lag / 100."""
+    ppo = config.method in stale_rollouts.loop.PPO_CORRECTIONS
+    corrected = ppo and config.method != "ppo"
     steps = [
         {"step": n, "rollout": n // 2, "reward": level * n / (config.steps - 1), "drift": config.lag * 1e-3 * (n % 3 - 1),
          "grad_norm": 1.0 + config.seed + config.lag, "pg_loss": 0.123456789,
-         "ages": [config.lag, 2 * config.lag + n % 2] if config.method == "sfc" else None}
+         "ages": [config.lag, 2 * config.lag + n % 2] if config.method == "sfc" else None,
+         **({"pg_clipfrac": 0.1 + config.lag / 100, "ppo_kl": 0.0, "tis": 1 + config.lag / 10 * (n % 2 == 0) if corrected else None,
+             "tis_clipfrac": config.lag / 100 if corrected else None} if ppo else {})}
         for n in range(config.steps)
     ]  # fmt: skip
     return {"config": asdict(config), "steps": steps, "rollouts": [], "pushes": [], "seconds": 61.4}
@@ -38,8 +44,15 @@ def options(*argv):
 
 @pytest.fixture
 def records():
+    """Every arm at 3e-3, extra arms included."""
     _, main = stale_rollouts.study_configs(options("--lrs", "3e-3"))
     return [compact(observations(config)) for config in main(dict.fromkeys(stale_rollouts.METHODS, 3e-3))]
+
+
+def rows_by_name(text: str) -> dict:
+    """{the row's name: its cells} of a table."""
+    rows = [line.strip("| ").split(" | ") for line in text.splitlines()[2:]]
+    return {cells[0]: cells for cells in rows}
 
 
 def test_a_record_keeps_the_series_the_report_needs_compactly():
@@ -49,7 +62,17 @@ def test_a_record_keeps_the_series_the_report_needs_compactly():
     assert set(record["series"]) == {"reward", "drift", "grad_norm", "pg_loss", "max_age"}
     assert record["series"]["pg_loss"][:1] == [0.12346]  # 5 significant digits
     assert record["series"]["max_age"][:2] == [8, 9]
+    assert "concurrent" not in record  # one run at a time on the machine
     assert len(json.dumps(record, separators=(",", ":"))) < 40_000  # the described run's 640 steps
+
+
+@pytest.mark.parametrize("method, kept", [("ppo_tis", {"pg_clipfrac", "tis", "tis_clipfrac", "ppo_kl"}), ("ppo", {"pg_clipfrac", "ppo_kl"})])
+def test_a_ppo_record_keeps_what_slime_reports_of_its_clip_and_correction(method, kept):
+    config = stale_rollouts.loop.LoopConfig(method, lag=4, rollouts=40, steps_per_rollout=16)
+    record = compact({**observations(config), "concurrent": 2})
+    assert set(record["series"]) == {"reward", "drift", "grad_norm", "pg_loss", "max_age"} | kept
+    assert record["series"]["pg_clipfrac"][:1] == [0.14] and record["concurrent"] == 2
+    assert len(json.dumps(record, separators=(",", ":"))) < 60_000
 
 
 def test_table_has_a_row_per_arm_and_a_column_per_checkpoint(records):
@@ -57,15 +80,43 @@ def test_table_has_a_row_per_arm_and_a_column_per_checkpoint(records):
     header, rows = lines[0].split(" | "), lines[2:]
     assert header[3:8] == [f"reward, steps {end - 19}-{end}" for end in (20, 40, 60, 80, 100)]
     assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [
-        "REINFORCE, lag 0", "REINFORCE, lag 4", "SFC + KL, lag 0", "SFC + KL, lag 4"]  # fmt: skip
-    sfc_stale = rows[3].split(" | ")
+        "REINFORCE, lag 0", "REINFORCE, lag 4", "SFC + KL, lag 0", "SFC + KL, lag 4", "SFC + KL, lag 16",
+        "PPO + TIS, lag 0", "PPO + TIS, lag 4", "PPO + TIS, lag 16", "PPO, lag 4", "PPO, lag 8", "PPO + icepop, lag 8"]  # fmt: skip
+    sfc_stale = rows_by_name(report.table(records))["SFC + KL, lag 4"]
     assert sfc_stale[2] == str(SEEDS)
     expected_last = sum(0.5 * n / (STEPS - 1) for n in range(80, STEPS)) / 20
     assert sfc_stale[7] == f"{expected_last:.3f} ({expected_last:.2f}-{expected_last:.2f})"
-    assert sfc_stale[8] == "-0.004 to 0.004"  # drift over the last 64 steps
-    assert sfc_stale[9] == "6"  # the largest gradient norm: 1 + seed 1 + lag 4
-    assert sfc_stale[-1].rstrip(" |") == "9"  # the largest SFC age: 2 * lag + 1
-    assert rows[0].split(" | ")[-1].rstrip(" |") == "-"  # REINFORCE has no ages
+    assert sfc_stale[8] == "100%"  # of the fresh arm's late reward: the made-up runs climb alike at every lag
+    assert sfc_stale[9] == "-0.004 to 0.004"  # drift over the last 64 steps
+    assert sfc_stale[10] == "6"  # the largest gradient norm: 1 + seed 1 + lag 4
+    assert sfc_stale[11] == "9"  # the largest SFC age: 2 * lag + 1
+    assert sfc_stale[12:] == ["-", "-", "-"]  # no PPO metrics
+    assert rows[0].split(" | ")[8] == ""  # the fresh arm is its own reference
+    assert rows[0].split(" | ")[11] == "-"  # REINFORCE has no ages
+
+
+def test_table_gives_ppo_clip_and_tis_over_the_last_steps_and_the_share_of_fresh(records):
+    level = {0: 0.8, 4: 0.6, 16: 0.2}
+    runs = [
+        {**record, "series": {**record["series"], "reward": [level[record["config"]["lag"]]] * STEPS}}
+        for record in records if record["config"]["method"] == "ppo_tis"
+    ]  # fmt: skip
+    rows = rows_by_name(report.table(runs))
+    stale = rows["PPO + TIS, lag 4"]
+    assert stale[8] == "75%"  # 0.6 of 0.8
+    assert stale[12:] == ["0.14", "1.2", "0.04"]  # clip fraction, TIS weight (1.4 and 1 alternately), TIS clip fraction
+    assert rows["PPO + TIS, lag 16"][8] == "25%"
+
+
+def test_a_method_at_two_rates_is_two_families(records):
+    shared = [
+        {**record, "config": {**record["config"], "lr": 1e-3}}
+        for record in records if record["config"]["method"] == "reinforce"
+    ]  # fmt: skip
+    rows = rows_by_name(report.table(records + shared))
+    assert rows["REINFORCE at 0.001, lag 4"][1] == "0.001" and rows["REINFORCE at 0.003, lag 4"][1] == "0.003"
+    assert "SFC + KL, lag 4" in rows  # one rate: the method's name alone
+    assert "REINFORCE 0.001, 0.003" in report.describe(records + shared)
 
 
 def test_report_writes_the_table_and_both_charts(records, tmp_path):
@@ -84,7 +135,8 @@ def test_late_reward_and_drift_read_the_last_steps(records):
 def test_each_method_keeps_its_best_rate_of_the_grid_widened_until_bracketed(tmp_path, capsys):
     grid, _ = stale_rollouts.study_configs(options("--lrs", "1e-3", "3e-3", "1e-2"))
     # reinforce peaks inside the grid; sfc's reward keeps rising below it, peaking at 1e-4
-    levels = {"reinforce": {1e-3: 0.2, 3e-3: 0.6, 1e-2: 0.1}, "sfc": {3e-5: 0.5, 1e-4: 0.9, 3e-4: 0.8, 1e-3: 0.7, 3e-3: 0.4, 1e-2: 0.1}}
+    levels = {"reinforce": {1e-3: 0.2, 3e-3: 0.6, 1e-2: 0.1}, "sfc": {3e-5: 0.5, 1e-4: 0.9, 3e-4: 0.8, 1e-3: 0.7, 3e-3: 0.4, 1e-2: 0.1},
+              "ppo_tis": {1e-3: 0.3, 3e-3: 0.4, 1e-2: 0.35}}
     ran = []
 
     def run(configs):
@@ -93,7 +145,7 @@ def test_each_method_keeps_its_best_rate_of_the_grid_widened_until_bracketed(tmp
 
     added = []
     rates = stale_rollouts.bracketed_rates(run, grid, added.append)
-    assert rates == {"reinforce": 3e-3, "sfc": 1e-4}
+    assert rates == {"reinforce": 3e-3, "sfc": 1e-4, "ppo_tis": 3e-3}
     assert [(config.method, config.lr) for config in added] == [("sfc", 3e-4), ("sfc", 1e-4)]
     assert [lr for method, lr in ran if method == "reinforce"] == [1e-3, 3e-3, 1e-2]
     assert [lr for method, lr in ran if method == "sfc"] == [1e-3, 3e-3, 1e-2, 3e-4, 1e-4]
@@ -103,7 +155,7 @@ def test_each_method_keeps_its_best_rate_of_the_grid_widened_until_bracketed(tmp
 def test_widening_stops_after_its_limit_and_says_the_rate_is_still_at_an_end(tmp_path, capsys):
     grid, _ = stale_rollouts.study_configs(options("--lrs", "1e-3", "3e-3", "1e-2"))
     rates = stale_rollouts.bracketed_rates(lambda configs: [compact(observations(c, 1e-4 / c.lr)) for c in configs], grid)
-    assert rates == {method: 1e-4 for method in stale_rollouts.METHODS}  # two widenings: 3e-4, then 1e-4
+    assert rates == {method: 1e-4 for method in stale_rollouts.GRID_METHODS}  # two widenings: 3e-4, then 1e-4
     assert "still at an end" in capsys.readouterr().err
 
 
@@ -160,13 +212,14 @@ REPORT_GEOMETRY = ["--steps", str(STEPS), "--steps-per-rollout", "2", "--seeds",
 
 
 def recorded_grid(tmp_path) -> tuple:
-    """(argv, store, main configs at 3e-3): a grid of 1e-3 and 3e-3 recorded in tmp_path/runs, 3e-3 best."""
+    """(argv, store, main configs at 3e-3, the extra arms' included): a grid of 1e-3 and 3e-3 recorded
+    in tmp_path/runs, 3e-3 best for every method."""
     argv = ["--lrs", "1e-3", "3e-3", "--runs", str(tmp_path / "runs"), "--report-dir", str(tmp_path / "report")]
     grid, main = stale_rollouts.study_configs(options(*argv))
     store = RunStore(tmp_path / "runs")
     for config in grid:
         store.save(config, observations(config, 0.3 if config.lr == 1e-3 else 0.6))
-    return argv, store, main({"reinforce": 3e-3, "sfc": 3e-3})
+    return argv, store, main(dict.fromkeys(stale_rollouts.GRID_METHODS, 3e-3))
 
 
 def test_report_alone_rewrites_table_and_charts_from_the_records(tmp_path, capsys):
@@ -176,7 +229,8 @@ def test_report_alone_rewrites_table_and_charts_from_the_records(tmp_path, capsy
             store.save(config, observations(config))
     stale_rollouts.main(["--report", *REPORT_GEOMETRY, *argv])
     table = (tmp_path / "report" / report.TABLE).read_text()
-    assert table.count("| 0.003 | 2 |") == 4  # every arm at the grid's best rate, over both seeds
+    # every arm at the grid's best rate, over both seeds: 3 methods at 2 lags, 5 extra arms
+    assert table.count("| 0.003 | 2 |") == len(table.splitlines()) - 2 == 11
     assert all((tmp_path / "report" / chart).exists() for chart in (report.REWARD_CHART, report.STALENESS_CHART))
     assert table.strip() in capsys.readouterr().out
 
@@ -196,8 +250,10 @@ def test_the_default_is_the_described_geometry():
     grid, main = stale_rollouts.study_configs(parsed)
     configs = main(dict.fromkeys(stale_rollouts.METHODS, 1e-3))
     assert (parsed.steps, parsed.steps_per_rollout, parsed.samples_per_step, parsed.draws, parsed.kl_beta) == (640, 16, 32, 4, 0.3)
-    assert len(grid) == 6 and len(configs) == 18 and {c.lag for c in configs} == {0, 4, 8}
-    assert len({stale_rollouts.RunStore(parsed.runs).path(c) for c in grid + configs}) == 22  # the grid's lag-0 seed-0 runs are shared
+    main_arms = [c for c in configs if (c.method, c.lag) not in stale_rollouts.EXTRA_ARMS]
+    assert len(grid) == 9 and len(main_arms) == 27 and {c.lag for c in main_arms} == {0, 4, 8}
+    assert len(configs) == 27 + 15 and {c.lag for c in configs} == {0, 4, 8, 16}  # 5 extra arms, 3 seeds each
+    assert len({stale_rollouts.RunStore(parsed.runs).path(c) for c in grid + configs}) == 48  # the grid's lag-0 seed-0 runs are shared
     assert parsed.runs == stale_rollouts.RUNS_DIR and "results" not in parsed.runs.parts  # tracked, not git-ignored
 
 
@@ -206,9 +262,9 @@ def test_a_partial_report_covers_the_recorded_runs_and_names_the_missing(tmp_pat
     later = [config for config in configs if config.lag == 4 and config.seed == 1]
     stale_rollouts.main(["--report", "--partial", *REPORT_GEOMETRY, *argv])
     table = (tmp_path / "report" / report.TABLE).read_text()
-    assert table.count("| 0.003 | 1 |") == 2 and "lag 4" not in table  # lag 0, seed 0 of each method: the grid's
+    assert table.count("| 0.003 | 1 |") == 3 and "lag 4" not in table  # lag 0, seed 0 of each method: the grid's
     err = capsys.readouterr().err
-    assert "partial report: 2 runs recorded, 6 not yet" in err and store.path(later[0]).stem in err
+    assert "partial report: 3 runs recorded, 19 not yet" in err and store.path(later[0]).stem in err
     with pytest.raises(SystemExit):
         stale_rollouts.parse(["--partial"])
 
@@ -222,3 +278,58 @@ def test_the_charts_caption_states_the_seeds_per_arm(records):
     assert report.describe(records).endswith("2 seeds per arm")
     one_short = [run for run in records if not (run["config"]["lag"] == 4 and run["config"]["seed"] == 1)]
     assert report.describe(one_short).endswith("1-2 seeds per arm")  # a partial report says so
+
+
+def test_reinforce_also_runs_at_sfcs_rate_and_the_extra_arms_at_their_methods_rates():
+    _, main = stale_rollouts.study_configs(options())
+    configs = main({"reinforce": 3e-4, "sfc": 1e-3, "ppo_tis": 3e-3})
+    arms = {(c.method, c.lr, c.lag) for c in configs}
+    assert {("reinforce", 3e-4, 4), ("reinforce", 1e-3, 4), ("sfc", 1e-3, 4), ("ppo_tis", 3e-3, 4)} <= arms
+    assert {("sfc", 1e-3, 16), ("ppo_tis", 3e-3, 16), ("ppo", 3e-3, 8), ("icepop", 3e-3, 8)} <= arms
+    assert not {("reinforce", 3e-3, 0), ("sfc", 3e-4, 0)} & arms
+    # lag by lag, the main arms before the extra ones
+    assert [c.lag for c in configs[: 4 * SEEDS * len(LAGS)]] == sorted(c.lag for c in configs[: 4 * SEEDS * len(LAGS)])
+    assert all((c.method, c.lag) in stale_rollouts.EXTRA_ARMS for c in configs[4 * SEEDS * len(LAGS) :])
+    _, without = stale_rollouts.study_configs(options("--no-extra"))
+    assert len(without({"reinforce": 3e-4, "sfc": 1e-3, "ppo_tis": 3e-3})) == 4 * SEEDS * len(LAGS)
+    assert len(main({"sfc": 1e-3})) == (2 * len(LAGS) + 1) * SEEDS  # only the arms at the rates known
+
+
+def test_workers_share_the_runs_each_on_its_own_core_and_the_records_say_so(tmp_path, monkeypatch):
+    ran = []
+
+    def run_in_subprocess(config, workdir, engine, task_dir, cpu=None, **env):
+        ran.append((config.method, config.lag, config.seed, engine, cpu))
+        return observations(config)
+
+    monkeypatch.setattr(stale_rollouts.loop, "run_in_subprocess", run_in_subprocess)
+    _, main = stale_rollouts.study_configs(options("--no-extra"))
+    configs = main(dict.fromkeys(stale_rollouts.GRID_METHODS, 3e-3))
+    store = RunStore(tmp_path / "runs")
+    finished = []
+    progress = type("Lines", (), {"finished": lambda self, what: finished.append(what)})()
+    engines = [("127.0.0.1", 30000), ("127.0.0.1", 30001)]
+    records = stale_rollouts.Study(store, tmp_path / "work", engines).run(configs, progress)
+    assert sorted(r[:3] for r in ran) == sorted((c.method, c.lag, c.seed) for c in configs)  # each once
+    assert {(engine, cpu) for *_, engine, cpu in ran} == {(engines[0], 0), (engines[1], 1)}
+    assert len(finished) == len(configs) and all(record["concurrent"] == 2 for record in records)
+    assert [record["config"]["seed"] for record in records] == [c.seed for c in configs]  # in the order asked
+
+
+def test_a_failed_run_stops_the_study_with_its_error(tmp_path, monkeypatch):
+    def run_in_subprocess(config, *args, **env):
+        raise RuntimeError(f"the loop exited with 1 ({config.method})")
+
+    monkeypatch.setattr(stale_rollouts.loop, "run_in_subprocess", run_in_subprocess)
+    _, main = stale_rollouts.study_configs(options("--no-extra"))
+    progress = type("Quiet", (), {"finished": lambda self, what: None})()
+    study = stale_rollouts.Study(RunStore(tmp_path / "runs"), tmp_path / "work", [None, None])
+    with pytest.raises(RuntimeError, match="the loop exited with 1"):
+        study.run(main(dict.fromkeys(stale_rollouts.GRID_METHODS, 3e-3)), progress)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_more_workers_than_cores_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        stale_rollouts.parse(["--workers", "999"])
+    assert "--workers 999" in capsys.readouterr().err

@@ -29,6 +29,7 @@ LAG, STEPS_PER_ROLLOUT = 2, 2
 GEOMETRY = {"lag": LAG, "steps_per_rollout": STEPS_PER_ROLLOUT, "samples_per_step": 16, "samples_per_prompt": 8}
 SFC = slime_loop.LoopConfig("sfc", rollouts=4, **GEOMETRY)
 REINFORCE = slime_loop.LoopConfig("reinforce", rollouts=2, **GEOMETRY)
+PPO_TIS = slime_loop.LoopConfig("ppo_tis", rollouts=2, **GEOMETRY)  # slime's own PPO loss with TIS
 INTERPRETED = slime_loop.LoopConfig("sfc", rollouts=1, **GEOMETRY)
 # Each optimizer step's SFC ages (issue 30): v1 pushed before step 0 and served for three
 # rollouts, v2 pushed after step 1 and served from rollout 3.
@@ -58,7 +59,7 @@ def engine(tmp_path_factory):
 def runs(engine, tmp_path_factory):
     """{name: observations} of the three runs, one after the other on the one server."""
     address, task_dir, _ = engine
-    plans = {"sfc": (SFC, None), "reinforce": (REINFORCE, None), "interpreted": (INTERPRETED, "1")}
+    plans = {"sfc": (SFC, None), "reinforce": (REINFORCE, None), "ppo_tis": (PPO_TIS, None), "interpreted": (INTERPRETED, "1")}
     return {
         name: slime_loop.run_in_subprocess(
             config, tmp_path_factory.mktemp(f"loop_{name}"), address, task_dir, LOOP_TIMEOUT_S, TRITON_INTERPRET=interpret
@@ -74,7 +75,7 @@ def test_ages_follow_the_pushes_and_the_lag(runs):
 
 
 def test_weight_versions_advance_and_the_engine_serves_the_lagged_one(runs):
-    for name, config in (("sfc", SFC), ("reinforce", REINFORCE), ("interpreted", INTERPRETED)):
+    for name, config in (("sfc", SFC), ("reinforce", REINFORCE), ("ppo_tis", PPO_TIS), ("interpreted", INTERPRETED)):
         observed = runs[name]
         pushes = list(range(1, config.rollouts + 2))  # the first push, then one after every rollout
         assert [p["pushed"] for p in observed["pushes"]] == pushes, name
@@ -106,8 +107,8 @@ def test_drift_at_age_zero_is_rounding(runs):
         assert abs(runs[name]["steps"][0]["drift"]) < AGE_ZERO_DRIFT, name
 
 
-def test_both_losses_train_to_the_end(runs):
-    for name, config in (("sfc", SFC), ("reinforce", REINFORCE), ("interpreted", INTERPRETED)):
+def test_every_loss_trains_to_the_end(runs):
+    for name, config in (("sfc", SFC), ("reinforce", REINFORCE), ("ppo_tis", PPO_TIS), ("interpreted", INTERPRETED)):
         steps = runs[name]["steps"]
         assert len(steps) == config.steps, name
         # a step whose samples all scored alike has zero advantages, a zero gradient
@@ -118,3 +119,17 @@ def test_both_losses_train_to_the_end(runs):
 def test_the_interpreted_run_has_the_fused_kernels_in_the_loop(runs):
     assert ["token_stats", "Triton interpreter (CPU)"] in runs["interpreted"]["kernel_paths"]
     assert all("interpreter" not in path for _, path in runs["sfc"]["kernel_paths"])
+
+
+def test_slime_ppo_with_tis_reports_its_correction_and_the_drift_from_the_sampler(runs):
+    """slime's own policy loss with --use-tis: its TIS weight (old log-probs over the sampler's) is
+    1 to rounding while the engine serves the trainer's weights (rollout 0: v1 both) and moves away
+    from 1 once it serves older ones (rollout 1: v1 served, the old log-probs from v2); the drift
+    recorded is the sampler's, which the old log-probs' ppo_kl is not: equal to it at a rollout's
+    first step only when the sampler is the trainer's weights."""
+    steps = runs["ppo_tis"]["steps"]
+    assert all(step[key] is not None for step in steps for key in slime_loop.PPO_METRICS)
+    first, stale = steps[0], steps[STEPS_PER_ROLLOUT]  # the first step of rollout 0 and of rollout 1
+    assert abs(first["tis"] - 1) < AGE_ZERO_DRIFT and abs(first["ppo_kl"]) < AGE_ZERO_DRIFT
+    assert abs(stale["tis"] - 1) > 100 * AGE_ZERO_DRIFT
+    assert abs(stale["ppo_kl"]) < AGE_ZERO_DRIFT < abs(stale["drift"])  # old == current at the step, sampler behind
