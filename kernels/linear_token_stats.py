@@ -196,9 +196,15 @@ class ChunkedLogits:
                 rows_in = torch.index_select(self.hidden, 0, self.rows[slots], out=self.gathered[:size])
             yield slots, rows_in, torch.mm(rows_in, self.weight.t(), out=self.logits[:size])
 
-    def add_layer_grads(self, slots, rows_in, grad_logits, grad_hidden, grad_weight) -> None:
+    @property
+    def single(self) -> bool:
+        """Whether one chunk holds every selected row: then a GEMM can write the weight gradient."""
+        return self.chunk_rows >= self.num_selected
+
+    def add_layer_grads(self, slots, rows_in, grad_logits, grad_hidden, grad_weight, sum_weight=True) -> None:
         """grad_hidden[the chunk's rows] = grad_logits @ weight (each row written once) and
-        grad_weight += grad_logits^T @ rows_in summed in fp32; a None gradient is not wanted."""
+        grad_weight += grad_logits^T @ rows_in summed in fp32, or, with sum_weight False (one chunk
+        only), written by the GEMM in grad_weight's dtype; a None gradient is not wanted."""
         if grad_hidden is not None and self.rows is None:
             torch.mm(grad_logits, self.weight, out=grad_hidden[slots])
         elif grad_hidden is not None:
@@ -206,8 +212,10 @@ class ChunkedLogits:
                 self.row_grads = torch.empty_like(self.gathered)
             size = slots.stop - slots.start
             grad_hidden.index_copy_(0, self.rows[slots], torch.mm(grad_logits, self.weight, out=self.row_grads[:size]))
-        if grad_weight is not None:
+        if grad_weight is not None and sum_weight:
             add_product_fp32(grad_weight, grad_logits.t(), rows_in)
+        elif grad_weight is not None:
+            torch.mm(grad_logits.t(), rows_in, out=grad_weight)
 
 
 class VocabularySlices:
