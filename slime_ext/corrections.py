@@ -22,6 +22,7 @@ copied):
   over the original denominators; its own metrics and `ois` keep the original masks.
 """
 
+import inspect
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -144,8 +145,15 @@ def apply_tis(args, batch, pg_loss: torch.Tensor, current_log_probs: List[torch.
         raise ValueError(f"{flag} needs the rollout log-probs (rollout_log_probs) in the batch; it has none")
     train_log_probs = batch.get("log_probs") or [x.detach() for x in current_log_probs]
     path = getattr(args, "custom_tis_function_path", None)
-    result = tis_function(args)(
+    named = f"--custom-tis-function-path {path}" if path else flag
+    function = tis_function(args)
+    keywords = dict(
         args=args, pg_loss=pg_loss, train_log_probs=train_log_probs, rollout_log_probs=rollout_log_probs,
         loss_masks=batch["loss_masks"], total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
     )  # fmt: skip
-    return _checked(result, pg_loss, batch["loss_masks"], f"--custom-tis-function-path {path}" if path else flag)
+    try:
+        inspect.signature(function).bind(**keywords)
+    except TypeError as error:
+        raise ValueError(f"{named} does not take slime's TIS keywords: {error}") from None
+    result = function(**keywords)
+    return _checked(result, pg_loss, batch["loss_masks"], named)

@@ -26,6 +26,7 @@ package's own layout code:
   (the workers come from `distributed.get_pool`), and the comparison with a float64 reference.
 """
 
+import sys
 from argparse import Namespace
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
@@ -273,10 +274,10 @@ def reference_response_stats(full_logits, tokens, totals, responses, temperature
 
 
 def _cp_layout():
-    """(cp rank, cp size, cp group) of megatron-core's parallel state ((0, 1, None) without one)."""
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
+    """(cp rank, cp size, cp group) of megatron-core's parallel state ((0, 1, None) without one;
+    only a process that imported it can have initialised it, so the heavy import is skipped)."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
         return 0, 1, None
     group = parallel_state.get_context_parallel_group()
     return parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size(), group

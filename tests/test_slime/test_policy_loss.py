@@ -277,3 +277,48 @@ def test_policy_validation_ignores_other_losses():
     from fusedrl.slime_ext.flags.policy import validate_args
 
     validate_args(slime_args(loss_type="policy_loss", use_tis=True))
+
+
+def _direct_call(args, batch=None):
+    """The loss called directly (no startup check beyond its own first-use one), tp = cp = 1."""
+    samples = make_samples(5, TOTALS, RESPONSES, VOCAB)
+    batch = micro_batch(samples, 0, 1) if batch is None else batch
+    logits = torch.cat(make_logits(5, TOTALS, VOCAB)).float().unsqueeze(0).requires_grad_()
+    return policy_loss(args, batch, logits, sum_of_sample_mean(batch, 0, 1))
+
+
+@pytest.mark.parametrize(
+    "flags,reported",
+    [
+        (dict(use_tis=True, **BAND), {"ois", "tis", "tis_clipfrac", "tis_abs"}),
+        (dict(get_mismatch_metrics=True, custom_tis_function_path=REJECTION, **BAND), {"ois", "rs_reject_frac"}),
+        (dict(use_opsm=True, opsm_delta=3.0), {"opsm_clipfrac"}),
+        (dict(advantage_estimator="gspo"), set()),
+    ],
+)
+def test_a_correction_set_after_the_first_use_check_is_computed_not_ignored(flags, reported):
+    """The first-use check runs once per args object: a correction switched on later (or args the
+    entry point never saw) is still computed by the loss: its metrics appear and the loss moves."""
+    args = slime_args()
+    plain_loss, plain_metrics = _direct_call(args)
+    for key, value in flags.items():
+        setattr(args, key, value)
+    loss, metrics = _direct_call(args)
+    assert set(metrics) - set(plain_metrics) == reported
+    assert not torch.equal(loss.detach(), plain_loss.detach())
+
+
+def test_a_correction_without_its_inputs_or_with_a_malformed_tis_function_is_refused_naming_the_flag():
+    batch = micro_batch(make_samples(5, TOTALS, RESPONSES, VOCAB), 0, 1)
+    batch["rollout_log_probs"] = []
+    with pytest.raises(ValueError, match="--use-tis needs the rollout log-probs"):
+        _direct_call(slime_args(use_tis=True), batch)
+    with pytest.raises(ValueError, match="--custom-tis-function-path fusedrl.slime_ext.losses.policy.policy_loss does not take"):
+        _direct_call(slime_args(use_tis=True, custom_tis_function_path="fusedrl.slime_ext.losses.policy.policy_loss"))
+    with pytest.raises(ValueError, match="--custom-tis-function-path test_policy_loss.pg_loss_only must return"):
+        _direct_call(slime_args(get_mismatch_metrics=True, custom_tis_function_path="test_policy_loss.pg_loss_only"))
+
+
+def pg_loss_only(args, *, pg_loss, **kwargs):
+    """A TIS function that returns pg_loss alone instead of slime's (pg_loss, masks, metrics)."""
+    return pg_loss
