@@ -29,7 +29,7 @@ from .harness.budget import available_bytes, oversized_message
 from .harness.measure import measure_case
 from .harness.progress import Progress
 from .studies.lm_head_chunks import format_projection
-from .subjects import SUBJECT_NAMES, make_subjects, refusal_notes
+from .subjects import SUBJECT_NAMES, Unavailable, make_subjects, refusal_notes
 from .workloads import WORKLOADS
 from .workloads.linear_token_stats import head_cases
 
@@ -180,9 +180,10 @@ def main(argv=None):
         notes.append("the Triton interpreter casts fp32 to bf16/fp16 by truncation (a GPU rounds to nearest), "
                      "which about doubles the fused kernels' low-precision gradient error on CPU")  # fmt: skip
     progress = Progress(case.op for case in cases)
-    records = []
+    records, unavailable = [], Unavailable()
     for case in cases:
-        records += measure_case(WORKLOADS[case.op].make(case, device), subjects, phases=args.phase, timing=gpu)
+        records += measure_case(WORKLOADS[case.op].make(case, device), subjects, phases=args.phase, timing=gpu,
+                                unavailable=unavailable)  # fmt: skip
         progress.finished(case.label)
         if gpu:
             torch.cuda.empty_cache()
@@ -198,7 +199,7 @@ def main(argv=None):
     print(summary.legend(gpu, subject_table=bool(subject_table)))
     for line in summary.conclusions(records, gpu):
         print(line)
-    for note in notes:
+    for note in notes + unavailable.notes():
         print(f"note: {note}")
     if "linear_token_stats" in args.op:
         print(format_projection())

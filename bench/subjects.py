@@ -34,6 +34,10 @@ class Subject:
     name: str
     runs: dict  # op -> run(x, workload)
     refuses: Callable[..., Optional[str]] = lambda case: None  # case -> why it cannot run it, or None
+    # A peer is another project's code: a RuntimeError it raises while running a case (a build that
+    # cannot run it: NVTX missing on a CPU-only torch) is that case's note, not the end of the run.
+    # The package's own subjects are never peers: their errors end the run.
+    peer: bool = False
 
     def covers(self, case) -> bool:
         return case.op in self.runs and self.refuses(case) is None
@@ -96,7 +100,7 @@ def _liger():
         loss = liger_cross_entropy(logits, workload.ids[:, 0].contiguous(), reduction="none")
         return -loss.float().unsqueeze(1), None
 
-    return Subject("liger", {"token_stats": run}, _sampled_token_only)
+    return Subject("liger", {"token_stats": run}, _sampled_token_only, peer=True)
 
 
 def _megatron(device):
@@ -119,7 +123,7 @@ def _megatron(device):
         loss = vocab_parallel_cross_entropy(owned, workload.ids[:, 0].contiguous())
         return -loss.float().unsqueeze(1), None
 
-    return Subject("megatron", {"token_stats": run}, _sampled_token_only)
+    return Subject("megatron", {"token_stats": run}, _sampled_token_only, peer=True)
 
 
 def _one_pass():
@@ -138,13 +142,15 @@ def _verl(device):
     if cpu:
         correct_bf16_dot()  # verl's GEMMs are tl.dot: bf16 ones need the interpreter fixed
     linear_cross_entropy = verl_import.linear_cross_entropy(strip_asserts=cpu)
-    return Subject("verl", {"linear_token_stats": lm_heads.verl_run(linear_cross_entropy)}, lm_heads.verl_refusal)
+    return Subject("verl", {"linear_token_stats": lm_heads.verl_run(linear_cross_entropy)}, lm_heads.verl_refusal,
+                   peer=True)
 
 
 def _liger_flce():
     import liger_kernel.transformers.functional  # noqa: F401  (unavailable: a note, not a crash at the first case)
 
-    return Subject("liger_flce", {"linear_token_stats": lm_heads.run_liger_linear_cross_entropy}, _sampled_token_only)
+    return Subject("liger_flce", {"linear_token_stats": lm_heads.run_liger_linear_cross_entropy}, _sampled_token_only,
+                   peer=True)
 
 
 def _liger_scaled(device):
@@ -153,7 +159,7 @@ def _liger_scaled(device):
 
     _resolve_implementation(device)
     run = lm_heads.run_liger_scaled_cross_entropy
-    return Subject("liger_scaled", {"linear_token_stats": run}, lm_heads.one_id_per_row)
+    return Subject("liger_scaled", {"linear_token_stats": run}, lm_heads.one_id_per_row, peer=True)
 
 
 def refusal_notes(cases, subjects):
@@ -165,6 +171,22 @@ def refusal_notes(cases, subjects):
             if reason:
                 refused.setdefault((subject.name, reason), []).append(case.label)
     return [f"{name}: not supported, {reason}: {', '.join(labels)}" for (name, reason), labels in refused.items()]
+
+
+class Unavailable:
+    """The cases each peer raised on while running (a RuntimeError: this build cannot run it), by
+    subject and reason; `notes` gives one line for each, as `refusal_notes` does for refusals."""
+
+    def __init__(self):
+        self.cases = {}
+
+    def add(self, subject, error, case) -> None:
+        first_line = next(iter(str(error).strip().splitlines()), "")
+        reason = f"{type(error).__name__}: {first_line}"
+        self.cases.setdefault((subject.name, reason), []).append(case.label)
+
+    def notes(self):
+        return [f"{name}: unavailable ({reason}): {', '.join(labels)}" for (name, reason), labels in self.cases.items()]
 
 
 def make_subjects(names, device):

@@ -11,9 +11,15 @@ turns the chunk's logits into their gradient in place -> d hidden of the chunk's
 weight gradient, summed over chunks in fp32. Three GEMMs, as the unfused LM head; the backward
 only scales the saved gradients by the incoming scalar.
 
-The weight gradient goes either into a per-call fp32 `[V_local, H]` buffer, scaled in the backward,
-or, with `main_grad` (megatron-core's fp32 `param.main_grad`) and `grad_scale` (the gradient the
-caller's schedule will send into the loss: 1 / num_microbatches, times the loss scale if any),
+Without `main_grad` the weight gradient is held from the forward to the backward, scaled there:
+when one chunk holds every selected row (the default chunk does up to 768 rows), the chunk's GEMM
+writes it once in the weight's dtype, from sums that stay in fp32 inside the GEMM, and no buffer
+but the returned gradient exists; with several chunks it is summed over them in a per-call fp32
+`[V_local, H]` buffer (the price of three GEMMs: without it each chunk's sum would be rounded to the
+layer's dtype; for fp32 weights the buffer is the returned gradient). Where that buffer does not fit,
+`linear_token_stats` walks the vocabulary instead (four GEMMs, no `[V_local, H]` sum). With
+`main_grad` (megatron-core's fp32 `param.main_grad`) and `grad_scale` (the gradient the caller's
+schedule will send into the loss: 1 / num_microbatches, times the loss scale if any), it goes
 straight into `main_grad`, already scaled, with no buffer. That bets on the incoming gradient, so
 the backward checks it equals `grad_scale` and raises a ValueError naming both otherwise: never a
 silently wrong gradient. The hidden-state gradient takes the same scale in the forward (the token-
@@ -99,18 +105,19 @@ class _Head:
 
     def run(self, wants_hidden: bool, wants_weight: bool):
         """(loss, stats, gradients): every chunk's statistics and loss terms, and, for what is
-        wanted, d hidden (scaled by grad_scale when given) and d weight (into main_grad, or into a
-        fresh fp32 buffer)."""
+        wanted, d hidden (scaled by grad_scale when given) and d weight (into main_grad; written by
+        the GEMM of a single chunk; or summed over chunks in a fresh fp32 buffer)."""
         num_selected, num_ids = self.ids.shape
         per_id = dict(dtype=torch.float32, device=self.hidden.device)
         logp, scores = torch.empty((num_selected, num_ids), **per_id), torch.empty((num_selected, num_ids), **per_id)
         entropy = torch.empty((num_selected,), **per_id) if self.with_entropy else None
+        chunks = ChunkedLogits(self.hidden, self.weight, self.rows, num_selected, self.chunk_rows)
+        sum_weight = self.main_grad is not None or not chunks.single
         grads = _Gradients(
             torch.zeros(self.hidden.shape, dtype=self.hidden.dtype, device=self.hidden.device) if wants_hidden else None,
             None if not wants_weight else self.main_grad if self.main_grad is not None
-            else torch.zeros(self.weight.shape, **per_id),
+            else torch.zeros(self.weight.shape, **per_id) if sum_weight else torch.empty_like(self.weight),
         )  # fmt: skip
-        chunks = ChunkedLogits(self.hidden, self.weight, self.rows, num_selected, self.chunk_rows)
         step = self._kernel_step if self.kernels else self._eager_step
         total = torch.zeros((), dtype=torch.float64, device=self.hidden.device)
         for slots, rows_in, logits in chunks:
@@ -120,7 +127,7 @@ class _Head:
                 entropy[slots] = stats.entropy
             total += loss.double()
             if grad_logits is not None:
-                chunks.add_layer_grads(slots, rows_in, grad_logits, grads.hidden, grads.weight)
+                chunks.add_layer_grads(slots, rows_in, grad_logits, grads.hidden, grads.weight, sum_weight)
         return total.float(), TokenStats(logp, entropy, scores), grads
 
     def _kernel_step(self, logits, slots, wants_grad):
@@ -198,7 +205,7 @@ class _OnePassLoss(torch.autograd.Function):
         hidden = grads.hidden if grads.hidden is None or unit else grads.hidden * ratio
         weight = grads.weight
         if weight is not None:
-            weight = (weight if unit else weight * ratio).to(ctx.weight_dtype)
+            weight = (weight if unit else weight.float() * ratio).to(ctx.weight_dtype)
         return hidden, weight, None, None
 
 
@@ -295,7 +302,8 @@ def linear_token_loss(
         shape and device (megatron-core's `param.main_grad`); the forward adds grad_scale * d loss /
         d weight to it, and the backward returns no weight gradient and raises a ValueError unless
         the incoming gradient equals grad_scale (to fp32 rounding). Without main_grad the weight
-        gradient is held in an fp32 [V_local, H] buffer from the forward to the backward; grad_scale
+        gradient is held from the forward to the backward: in the weight's dtype when one chunk holds
+        every selected row, else summed over chunks in an fp32 [V_local, H] buffer; grad_scale
         alone (a finite nonzero number, the incoming gradient expected) forms both gradients at that
         scale, and the backward rescales them by incoming / grad_scale (fp16: no flush to zero;
         in fp16 a call that wants a gradient must pass grad_scale, a ValueError otherwise).

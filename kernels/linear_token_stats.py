@@ -1,15 +1,25 @@
-"""Token statistics straight from hidden states: the LM head fused with `token_stats`, in row chunks.
+"""Token statistics straight from hidden states: the LM head fused with `token_stats`, in vocabulary slices.
 
-Why chunks and a recompute. An LM head's logits `[T, V_local]` are the largest activation of an RL
+Why slices and a recompute. An LM head's logits `[T, V_local]` are the largest activation of an RL
 step (10 GB in fp32 at T = 16k, V = 152k) and their gradient is as large again, yet every loss here
-needs only `3 + J` floats per row of them. The forward computes the logits of `chunk_rows` selected
-rows at a time with one GEMM (cuBLAS through torch) into a buffer reused by every chunk, reduces
-them to the token-statistics partials, and sends the partials of all chunks through the one
-tensor-parallel collective together. The backward recomputes each chunk's logits (one extra GEMM of
-the LM head: the price of never storing them), turns them into their gradient in place with the
-token-statistics backward kernel, and applies the linear layer's two backward GEMMs: each row of
-the hidden-state gradient is written once, the weight gradient is summed over chunks in fp32 in
-one preallocated buffer. Rows not selected by `rows` are never multiplied.
+needs only `3 + J` floats per row of them. Both passes hold the logits of every selected row for
+one slice of the vocabulary at a time, in one buffer reused by every slice, `[N, columns]` with as
+many elements as `chunk_rows` rows of the whole vocabulary (`slice_columns`: the budget is named in
+rows, as the one-pass path's chunks are). The forward computes a slice's logits with one GEMM
+(cuBLAS through torch) and reduces them to the token-statistics partials of that slice, taken as a
+tensor-parallel shard starting at column `vocab_start + start`; the slices' partials are merged
+into this rank's and sent through the one tensor-parallel collective.
+
+Why the backward walks the vocabulary too. It recomputes each slice's logits (one extra GEMM of the
+LM head: the price of never storing them; the same GEMMs as the forward's, so the same bits),
+turns them into their gradient in place with the token-statistics backward kernel (the forward's
+saved per-row softmax state and the ids falling in the slice are all it needs, as for a shard),
+and applies the linear layer's two backward GEMMs. Walked by row chunks, the weight gradient would
+be a sum over chunks, held in an fp32 `[V_local, H]` buffer (2.3 GiB at H = 4096, V_local =
+151936); walked by slices, each slice of the weight gradient comes out of one GEMM, written once in
+the weight's dtype from sums that stay in fp32 inside the GEMM. What is summed over slices is the
+hidden-state gradient, in fp32 `[N, H]`, small next to `[V_local, H]`. Rows not selected by `rows`
+are never multiplied (they are gathered once, `[N, H]`, when `rows` is given).
 
 Tensor parallelism: `weight` is this rank's vocabulary shard, as in megatron-core's
 `ColumnParallelLinear`, and so is the returned hidden-state gradient: this rank's partial sum over
@@ -18,7 +28,8 @@ pass `copy_to_tensor_model_parallel_region(hidden)` (identity forward, all-reduc
 under sequence parallelism `gather_from_sequence_parallel_region(hidden)` (all-gather forward,
 reduce-scatter backward). The weight gradient needs no reduction: it is this rank's own slice.
 
-Layers, as in `token_stats`: the chunk loops over the token-statistics launches, the torch.library
+Layers, as in `token_stats`: the slice loops over the token-statistics launches (and the row
+chunks `ChunkedLogits` of the one-pass path, `linear_token_loss`), the torch.library
 ops `fusedrl::linear_token_stats` and `fusedrl::linear_token_stats_backward` (fake implementations,
 registered autograd; the group travels by name), and `linear_token_stats`, the checks and the path.
 """
@@ -33,12 +44,15 @@ from ._contract import KERNEL_DTYPES, TokenStats, check_token_stats_inputs
 from ._dispatch import uses_triton
 from ._tp import resolve_tp
 from .token_stats import (
-    logits_grad, op_arguments, op_outputs, op_outputs_fake, public_stats, row_partials, token_stats,
+    logits_grad, merge_partials, op_arguments, op_outputs, op_outputs_fake, public_stats, row_partials, token_stats,
 )  # fmt: skip
 
 CHUNK_SHARE_OF_ROWS = 32
 MIN_CHUNK_ROWS = 768
 FREE_MEMORY_SHARE = 4
+# Where a low-precision product is upcast to be summed in fp32 (CPU), the copies hold at most this
+# share of the left operand's elements at a time.
+UPCAST_SHARE = 4
 
 
 def default_chunk_rows(num_rows: int, vocab_local: int, itemsize: int, free_bytes=None) -> int:
@@ -70,6 +84,14 @@ def _free_bytes(device: torch.device):
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def slice_columns(num_selected: int, vocab_local: int, chunk_rows: int) -> int:
+    """Vocabulary columns per slice of the backward's walk: the `[num_selected, columns]` logits of a
+    slice hold no more elements than the forward's `[chunk_rows, V_local]` chunk (at least one
+    column). With the default chunk (at least num_selected / 32 rows) a slice is at least V_local /
+    32 columns wide: 4748 at V_local = 151936, a full-width GEMM."""
+    return max(1, min(vocab_local, chunk_rows * vocab_local // max(1, num_selected)))
 
 
 def device_chunk_rows(hidden, weight, num_selected) -> int:
@@ -119,19 +141,21 @@ def _logits_stand_in(hidden, weight) -> torch.Tensor:
     return hidden.new_empty((1, weight.shape[0])).expand(hidden.shape[0], weight.shape[0])
 
 
-def _rows_of(grad: Optional[torch.Tensor], slots: slice) -> Optional[torch.Tensor]:
-    """A chunk's rows of a per-row output gradient (None: the loss did not use that output)."""
-    return None if grad is None else grad[slots]
-
-
 def add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b with fp32 sums whatever a and b hold (bf16/fp16 products rounded once, at the end)."""
+    """acc += a @ b with fp32 sums whatever a and b hold (bf16/fp16 products rounded once, at the end).
+
+    Where torch cannot add a low-precision GEMM into fp32 (CPU), the operands are upcast exactly, a
+    block of a's columns (b's rows) at a time, so that the fp32 copies hold at most 1 / UPCAST_SHARE
+    of a's elements: correct everywhere, at fp32 GEMM speed, without a temporary the size of the
+    weight."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
     elif _adds_low_precision_products_in_fp32(acc.device.type, a.dtype):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # cuBLAS: low-precision A, B; fp32 C
     else:
-        acc.addmm_(a.float(), b.float())  # exact upcast: correct everywhere, at fp32 GEMM speed
+        step = max(1, a.numel() // (UPCAST_SHARE * (a.shape[0] + b.shape[1])))
+        for start in range(0, a.shape[1], step):
+            acc.addmm_(a[:, start : start + step].float(), b[start : start + step].float())
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,9 +196,15 @@ class ChunkedLogits:
                 rows_in = torch.index_select(self.hidden, 0, self.rows[slots], out=self.gathered[:size])
             yield slots, rows_in, torch.mm(rows_in, self.weight.t(), out=self.logits[:size])
 
-    def add_layer_grads(self, slots, rows_in, grad_logits, grad_hidden, grad_weight) -> None:
+    @property
+    def single(self) -> bool:
+        """Whether one chunk holds every selected row: then a GEMM can write the weight gradient."""
+        return self.chunk_rows >= self.num_selected
+
+    def add_layer_grads(self, slots, rows_in, grad_logits, grad_hidden, grad_weight, sum_weight=True) -> None:
         """grad_hidden[the chunk's rows] = grad_logits @ weight (each row written once) and
-        grad_weight += grad_logits^T @ rows_in summed in fp32; a None gradient is not wanted."""
+        grad_weight += grad_logits^T @ rows_in summed in fp32, or, with sum_weight False (one chunk
+        only), written by the GEMM in grad_weight's dtype; a None gradient is not wanted."""
         if grad_hidden is not None and self.rows is None:
             torch.mm(grad_logits, self.weight, out=grad_hidden[slots])
         elif grad_hidden is not None:
@@ -182,8 +212,38 @@ class ChunkedLogits:
                 self.row_grads = torch.empty_like(self.gathered)
             size = slots.stop - slots.start
             grad_hidden.index_copy_(0, self.rows[slots], torch.mm(grad_logits, self.weight, out=self.row_grads[:size]))
-        if grad_weight is not None:
+        if grad_weight is not None and sum_weight:
             add_product_fp32(grad_weight, grad_logits.t(), rows_in)
+        elif grad_weight is not None:
+            torch.mm(grad_logits.t(), rows_in, out=grad_weight)
+
+
+class VocabularySlices:
+    """The selected rows' logits, all rows at once, one vocabulary slice of `slice_columns` at a
+    time, in one buffer reused by every slice; and a slice's two backward GEMMs (`layer_grads`)."""
+
+    def __init__(self, hidden, weight, rows, num_selected, chunk_rows):
+        self.weight = weight
+        self.selected = hidden if rows is None else hidden.index_select(0, rows)  # [N, H]
+        self.columns = slice_columns(num_selected, weight.shape[0], chunk_rows)
+        self.buffer = hidden.new_empty((num_selected * self.columns,))
+
+    def __iter__(self):
+        """(first column, the slice's weight rows, its logits [N, width]) per slice."""
+        num_selected = self.selected.shape[0]
+        for start in range(0, self.weight.shape[0], self.columns):
+            block = self.weight[start : start + self.columns]
+            logits = self.buffer[: num_selected * block.shape[0]].view(num_selected, block.shape[0])
+            yield start, block, torch.mm(self.selected, block.t(), out=logits)
+
+    def layer_grads(self, start, block, grad_logits, row_grads, grad_weight) -> None:
+        """grad_weight[the slice] = grad_logits^T @ selected rows (written once, in grad_weight's
+        dtype, from the GEMM's fp32 sums) and row_grads += grad_logits @ block in fp32; a None
+        gradient is not wanted."""
+        if grad_weight is not None:
+            torch.mm(grad_logits.t(), self.selected, out=grad_weight[start : start + block.shape[0]])
+        if row_grads is not None:
+            add_product_fp32(row_grads, grad_logits, block)
 
 
 @torch.library.custom_op("fusedrl::linear_token_stats", mutates_args=())
@@ -198,14 +258,17 @@ def linear_token_stats_op(
     tp_group_name: Optional[str],
     chunk_rows: int,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The chunked forward as a torch op, opaque to torch.compile: (logp, entropy, scores,
-    softmax_state), as `fusedrl::token_stats` (the group travels by name, the collective runs inside)."""
-    chunks = ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
-    partials = torch.cat([
-        row_partials(logits, ids[slots], None, vocab_start, temperature, with_entropy)
-        for slots, _, logits in chunks
+    """The forward as a torch op, opaque to torch.compile: (logp, entropy, scores, softmax_state), as
+    `fusedrl::token_stats` (the group travels by name, the collective runs inside). It walks the
+    vocabulary slices the backward walks, so the backward recomputes bit for bit the logits the
+    saved softmax state was taken from (a GEMM of another shape may round them otherwise, and at
+    |logits| / T in the hundreds the gradient's 1 - p cancels that difference up to 1e-4)."""
+    slices = VocabularySlices(hidden, weight, rows, ids.shape[0], chunk_rows)
+    partials = torch.stack([
+        row_partials(logits, ids, None, vocab_start + start, temperature, with_entropy)
+        for start, _, logits in slices
     ])  # fmt: skip
-    return op_outputs(partials, tp_group_name, temperature)
+    return op_outputs(merge_partials(partials, temperature), tp_group_name, temperature)
 
 
 @linear_token_stats_op.register_fake
@@ -229,20 +292,35 @@ def linear_token_stats_backward_op(
     wants_hidden: bool,
     wants_weight: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(d hidden, d weight) with the logits recomputed chunk by chunk; a gradient not wanted is an
-    empty tensor (an op returns no None). A None output gradient is zero (entropy_grad None: no
-    entropy term)."""
-    grad_hidden = torch.zeros(hidden.shape if wants_hidden else (0,), dtype=hidden.dtype, device=hidden.device)
-    grad_weight = torch.zeros(weight.shape if wants_weight else (0,), dtype=torch.float32, device=weight.device)
-    chunks = ChunkedLogits(hidden, weight, rows, ids.shape[0], chunk_rows)
-    for slots, rows_in, logits in chunks:
-        grad_logits = logits_grad(
-            logits, logits, ids[slots], None, softmax_state[slots], _rows_of(logp_grad, slots),
-            _rows_of(entropy_grad, slots), _rows_of(scores_grad, slots), vocab_start, temperature,
-        )  # fmt: skip
-        chunks.add_layer_grads(slots, rows_in, grad_logits, grad_hidden if wants_hidden else None,
-                               grad_weight if wants_weight else None)  # fmt: skip
-    return grad_hidden, grad_weight.to(weight.dtype)
+    """(d hidden, d weight) with the logits recomputed one vocabulary slice at a time, every
+    selected row at once (module docstring); a gradient not wanted is an empty tensor (an op
+    returns no None). A None output gradient is zero (entropy_grad None: no entropy term)."""
+    grad_weight = weight.new_empty(weight.shape if wants_weight else (0,))
+    row_grads = _row_grads(hidden, rows, ids.shape[0]) if wants_hidden else None
+    slices = VocabularySlices(hidden, weight, rows, ids.shape[0], chunk_rows)
+    for start, block, logits in slices:
+        grad_logits = logits_grad(logits, logits, ids, None, softmax_state, logp_grad, entropy_grad, scores_grad,
+                                  vocab_start + start, temperature)  # fmt: skip
+        slices.layer_grads(start, block, grad_logits, row_grads, grad_weight if wants_weight else None)
+    if not wants_hidden:
+        return hidden.new_empty((0,)), grad_weight
+    return _scatter_rows(row_grads, hidden, rows), grad_weight
+
+
+def _row_grads(hidden, rows, num_selected) -> torch.Tensor:
+    """The selected rows' hidden-state gradient, summed over vocabulary slices in fp32 (zeros):
+    for fp32 layers without `rows`, the returned gradient itself."""
+    if rows is None and hidden.dtype == torch.float32:
+        return torch.zeros_like(hidden)
+    return torch.zeros((num_selected, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+
+
+def _scatter_rows(row_grads, hidden, rows) -> torch.Tensor:
+    """d hidden [T, H] in hidden's dtype: the selected rows' sums rounded once, zeros elsewhere."""
+    if rows is None:
+        return row_grads.to(hidden.dtype)
+    grad_hidden = torch.zeros_like(hidden)
+    return grad_hidden.index_copy_(0, rows, row_grads.to(hidden.dtype))
 
 
 @linear_token_stats_backward_op.register_fake

@@ -406,6 +406,28 @@ def combine_partials(partials_all: torch.Tensor, temperature: float) -> RowStats
     runs in float64 (a few floats per row), so each output is rounded to fp32 once. A row whose
     max is +inf or NaN has no distribution: NaN.
     """
+    row_max, exp_sum, centered_sum, gathered = _merged(partials_all, temperature)
+    log2_sum = torch.log2(exp_sum)
+    centered_mean = centered_sum / exp_sum * LN2  # E_p[x - m] / T
+    inv_temperature = 1.0 / temperature
+    logp = (gathered - row_max.unsqueeze(1)) * inv_temperature - (log2_sum * LN2).unsqueeze(1)
+    entropy = log2_sum * LN2 - centered_mean
+    softmax_state = torch.stack([row_max, log2_sum, centered_mean], dim=1)
+    return RowStats(*(value.float() for value in (logp, entropy, gathered * inv_temperature, softmax_state)))
+
+
+def merge_partials(partials_parts: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[N, P] fp32 partials of a row over all its parts from those of each part [S, N, P]: the
+    vocabulary slices of `linear_token_stats` merged into this rank's partials before the
+    collective (whose shape must not depend on a rank's slices). The same float64 merge as
+    `combine_partials`, each merged partial rounded to fp32 once."""
+    row_max, exp_sum, centered_sum, gathered = _merged(partials_parts, temperature)
+    return torch.cat([torch.stack([row_max, exp_sum, centered_sum], dim=1), gathered], dim=1).float()
+
+
+def _merged(partials_all: torch.Tensor, temperature: float):
+    """(row max, exp-sum, centered sum around the row max, gathered logits) of all parts'
+    partials [R, N, P], in float64: each part's sums moved to the common max (module docstring)."""
     scale = kernel_scale(temperature)
     partials_all = partials_all.double()
     rank_max, rank_sum, rank_centered = partials_all[..., 0], partials_all[..., 1], partials_all[..., 2]
@@ -417,14 +439,7 @@ def combine_partials(partials_all: torch.Tensor, temperature: float) -> RowStats
     weight = torch.exp2(shift)
     exp_sum = (weight * rank_sum).sum(dim=0)
     centered_sum = (weight * (rank_centered + rank_sum * shift)).sum(dim=0)
-    log2_sum = torch.log2(exp_sum)
-    centered_mean = centered_sum / exp_sum * LN2  # E_p[x - m] / T
-    gathered = partials_all[..., 3:].sum(dim=0)
-    inv_temperature = 1.0 / temperature
-    logp = (gathered - row_max.unsqueeze(1)) * inv_temperature - (log2_sum * LN2).unsqueeze(1)
-    entropy = log2_sum * LN2 - centered_mean
-    softmax_state = torch.stack([row_max, log2_sum, centered_mean], dim=1)
-    return RowStats(*(value.float() for value in (logp, entropy, gathered * inv_temperature, softmax_state)))
+    return row_max, exp_sum, centered_sum, partials_all[..., 3:].sum(dim=0)
 
 
 def logits_grad(

@@ -115,18 +115,22 @@ def pg_loss_denominators(args, batch) -> torch.Tensor:
     return _fixed_denominators(args, mode, num_samples)
 
 
-def _local_tokens(batch, device) -> LocalTokens:
-    return LocalTokens.of(batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], device)
+def _local_tokens(batch, device, loss_masks=None) -> LocalTokens:
+    masks = batch["loss_masks"] if loss_masks is None else loss_masks
+    return LocalTokens.of(batch["total_lengths"], batch["response_lengths"], masks, device)
 
 
-def aggregate_pg_loss(args, batch, pg_loss: torch.Tensor) -> torch.Tensor:
-    """The micro-batch's pg_loss under --loss-aggregation (contract in the module docstring)."""
-    return _local_tokens(batch, pg_loss.device).reduce(pg_loss, pg_loss_denominators(args, batch))
+def aggregate_pg_loss(args, batch, pg_loss: torch.Tensor, loss_masks=None) -> torch.Tensor:
+    """The micro-batch's pg_loss under --loss-aggregation (contract in the module docstring).
+    loss_masks: the masks a TIS function kept (default the batch's), over the batch's denominators."""
+    tokens = _local_tokens(batch, pg_loss.device, loss_masks)
+    return tokens.reduce(pg_loss, pg_loss_denominators(args, batch))
 
 
-def reduce_diagnostics(args, batch, values: torch.Tensor) -> torch.Tensor:
-    """slime's default reducer on [N] or [N, C] CP-local per-token values (one pass for C metrics)."""
-    return _local_tokens(batch, values.device).reduce(values, _default_denominators(args, batch))
+def reduce_diagnostics(args, batch, values: torch.Tensor, loss_masks=None) -> torch.Tensor:
+    """slime's default reducer on [N] or [N, C] CP-local per-token values (one pass for C metrics);
+    loss_masks as in `aggregate_pg_loss` (slime's reducer rebuilt on a TIS function's masks)."""
+    return _local_tokens(batch, values.device, loss_masks).reduce(values, _default_denominators(args, batch))
 
 
 def get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):

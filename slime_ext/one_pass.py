@@ -20,7 +20,7 @@ forms it in the backward, at the scale that arrives, as the unfused path). slime
 through `install` keep the recompute path: they read log-probs from `get_log_probs_and_entropy`.
 """
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -30,9 +30,15 @@ from . import lm_head, main_grad, megatron
 from .responses import ResponseTokens
 
 
-def applies(tokens: ResponseTokens, loss_name: str) -> bool:
-    """Whether `loss_name`'s call on these tokens runs the one-pass path (logged once)."""
+def applies(tokens: ResponseTokens, loss_name: str, needs_whole_batch: Optional[str] = None) -> bool:
+    """Whether `loss_name`'s call on these tokens runs the one-pass path (logged once).
+    needs_whole_batch: the flag of a term that needs every token's log-prob before any token's
+    gradient (a sequence-level ratio, a TIS function over the whole pg_loss), which the op's
+    chunk-by-chunk gradient cannot carry: then the recompute path."""
     if lm_head.output_weight() is None:
+        return False
+    if needs_whole_batch is not None:
+        lm_head.log_path_once(loss_name, f"recompute path ({needs_whole_batch} needs the whole micro-batch's log-probs first)")
         return False
     if tokens.allgather:
         lm_head.log_path_once(loss_name, "recompute path (allgather context parallelism)")

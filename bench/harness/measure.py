@@ -58,9 +58,10 @@ def profile(subject, workload, count_bytes: bool):
     }
 
 
-def measure_case(workload, subjects, phases=PHASES, timing=False):
+def measure_case(workload, subjects, phases=PHASES, timing=False, unavailable=None):
     """Records (one per subject and phase) for the workload's case; with `timing`, GPU times and
-    bandwidths."""
+    bandwidths. With `unavailable` (a `bench.subjects.Unavailable`), a peer that raises a
+    RuntimeError on the case gets no record but a note there, and the run goes on."""
     case = workload.case
     copy_gbps = None
     if timing:
@@ -69,15 +70,24 @@ def measure_case(workload, subjects, phases=PHASES, timing=False):
     for subject in subjects:
         if not subject.covers(case):
             continue
-        if timing:
-            profile(subject, workload, count_bytes=False)  # warm-up: compilation, autotuning, caches
-        metrics = profile(subject, workload, count_bytes=not timing)
-        times = {}
-        if timing:
-            times = time_phases(subject, workload, phases)
+        try:
+            metrics, times = _measure(subject, workload, phases, timing)
+        except RuntimeError as error:  # NotImplementedError included
+            if unavailable is None or not subject.peer:
+                raise
+            unavailable.add(subject, error, case)
+            continue
         for phase in phases:
             record = dict(case=case, phase=phase, subject=subject.name, **metrics[phase])
             record.update(floor_bytes=case.floor_bytes(phase), input_bytes=case.input_bytes)
             record.update(time_ms=times.get(phase), copy_gbps=copy_gbps)
             records.append(record)
     return records
+
+
+def _measure(subject, workload, phases, timing):
+    """(the profile's figures by phase, GPU times by phase or empty)."""
+    if timing:
+        profile(subject, workload, count_bytes=False)  # warm-up: compilation, autotuning, caches
+    metrics = profile(subject, workload, count_bytes=not timing)
+    return metrics, time_phases(subject, workload, phases) if timing else {}

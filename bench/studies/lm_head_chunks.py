@@ -6,8 +6,9 @@ size) of the fused (recompute) path and of the one-pass path, with and without m
 measured for several chunk sizes beside the unfused path's, each next to the cost model of
 `bench/workloads/linear_token_stats.py`; that model then projects every path to T = 16384,
 V/tp = 151936, H = 4096 (a projection, not a measurement). bf16 on CPU adds what a GPU does not:
-torch has no bf16 x bf16 -> fp32 in-place addmm there, so the weight-gradient GEMM takes an fp32
-copy of each chunk's gradient (4 C V bytes more than the model).
+torch has no bf16 x bf16 -> fp32 in-place addmm there, so a GEMM summed in fp32 takes fp32 copies
+of its operands, in blocks of at most a quarter of the chunk's elements (`add_product_fp32`: up to
+C V bytes more than the model).
 """
 
 import argparse
@@ -95,7 +96,7 @@ def projection_rows():
             c = cost(tokens, hidden, vocab, itemsize, chunk)
             for name, key in PATHS:
                 flops = c[f"{key}_flops"] if key != "one_pass_main_grad" else c["one_pass_flops"]
-                moved = c[f"{key}_bytes"] if key != "one_pass_main_grad" else c["one_pass_bytes"]
+                moved = c[f"{key}_bytes"]
                 yield dtype, tokens, chunk, name, dict(extra=c[f"{key}_extra"], flops=flops, moved=moved), c
 
 

@@ -9,20 +9,27 @@ V/tp = 151936, H = 4096 (a projection, not a measurement).
 The one-pass path (`linear_token_loss`, subjects `one_pass` and `one_pass_main_grad`) is given the
 workload's loss, a sum of per-row terms, and makes its gradient in the forward.
 
-Cost model, per fwd+bwd with all T rows selected, C rows per chunk, k = ceil(T / C) chunks, b
-bytes per element of the layer's dtype:
+Cost model, per fwd+bwd with all T rows selected, C rows per chunk (the held logits: C V elements),
+b bytes per element of the layer's dtype. The recompute path (`fused`) walks the vocabulary in
+S = ceil(V / W) slices of W = C V / T columns, every row at once; the one-pass path walks k =
+ceil(T / C) row chunks.
 - GEMM flops: unfused 6 T V H (forward, dhidden, dweight); fused 8 T V H (the forward GEMM again
   in the backward, to recompute the logits); one pass 6 T V H.
 - Peak extra memory (beyond inputs and returned gradients): unfused T V b logits kept for the
-  backward plus their T V b gradient; fused and one pass one C V b chunk of logits, plus the fp32
-  [V, H] weight-gradient accumulator when b < 4 (for fp32 weights it is the returned gradient);
-  one pass into main_grad the chunk alone (main_grad is the trainer's own buffer).
-- Bytes each GEMM and kernel must move (operands read once, results written once): both paths
-  write and read every logit in the forward and read, write and read them again in the backward;
-  the fused path adds the recompute GEMM (the layer read, the logits written once more), re-reads
-  the weight once per chunk in each of its three GEMMs, and reads and writes the fp32 accumulator
-  once per chunk where the unfused path writes the weight gradient once; the one-pass path moves
-  what the fused path does less the recompute GEMM.
+  backward plus their T V b gradient; fused one C V b chunk of logits plus, when b < 4, the fp32
+  [T, H] hidden-state sums over slices (for fp32 layers they are the returned gradient); one pass
+  the chunk plus, when b < 4 and k > 1, the fp32 [V, H] weight-gradient sums over chunks (one chunk:
+  its GEMM writes the gradient; fp32: the sums are the returned gradient); one pass into main_grad
+  the chunk alone (main_grad is the trainer's own buffer).
+- Bytes each GEMM and kernel must move (operands read once, results written once): every path
+  writes and reads every logit in the forward and reads, writes and reads them again in the
+  backward (the gradient kernel, then two GEMMs). The fused path adds the recompute GEMM (the
+  layer read, the logits written once more), reads the hidden states once per slice in each of
+  its three slice GEMMs (S T H b) and the weight once per GEMM, writes the weight gradient once and
+  reads and writes the fp32 hidden-state sums once per slice. The one-pass path reads the weight
+  once per chunk in its forward and hidden-gradient GEMMs, and writes the weight gradient once (one
+  chunk: exactly the unfused path's bytes) or reads and writes the fp32 sums once per chunk (several
+  chunks, and always into main_grad).
 """
 
 import gc
@@ -211,25 +218,30 @@ def run_unfused(layer, workload):
 
 def cost(tokens, hidden, vocab, itemsize, chunk_rows) -> dict:
     """The cost model of the module docstring, fwd+bwd: GEMM flops, bytes moved, peak extra bytes."""
-    chunks = math.ceil(tokens / chunk_rows)
-    logits, layer = tokens * vocab * itemsize, (tokens + vocab) * hidden * itemsize
-    weight, accumulator = vocab * hidden * itemsize, vocab * hidden * 4
-    unfused_bytes = 3 * layer + 6 * logits  # 3 GEMMs, the two token_stats passes (read, read + write)
-    # + the recompute GEMM (reads the layer, writes the logits), the weight re-read per chunk by
-    # each of the 3 fused GEMMs, the accumulator read and written per chunk instead of dweight once
-    fused_bytes = unfused_bytes + layer + logits + 3 * (chunks - 1) * weight + 2 * chunks * accumulator - weight
+    from fusedrl.kernels.linear_token_stats import slice_columns  # imports triton: after pick_device
+
+    chunks, slices = math.ceil(tokens / chunk_rows), math.ceil(vocab / slice_columns(tokens, vocab, chunk_rows))
+    rows, weight, logits = tokens * hidden * itemsize, vocab * hidden * itemsize, tokens * vocab * itemsize
+    accumulator, row_sums = vocab * hidden * 4, tokens * hidden * 4
+    unfused_bytes = 3 * (rows + weight) + 6 * logits  # 3 GEMMs, the two token_stats passes (read, read + write)
+    fused_bytes = 4 * slices * rows + 4 * weight + 7 * logits + 2 * slices * row_sums
+    # the weight read per chunk by the forward and hidden-gradient GEMMs; the weight gradient
+    # written once by one chunk's GEMM, else its fp32 sums read and written per chunk
+    one_pass_common = 3 * rows + 2 * chunks * weight + 6 * logits
+    summed = one_pass_common + 2 * chunks * accumulator
     chunk_extra = min(chunk_rows, tokens) * vocab * itemsize
-    fused_extra = chunk_extra + (accumulator if itemsize < 4 else 0)
+    low_precision = itemsize < 4
     return dict(
         unfused_flops=6 * tokens * vocab * hidden,
         fused_flops=8 * tokens * vocab * hidden,
         one_pass_flops=6 * tokens * vocab * hidden,
         unfused_bytes=unfused_bytes,
         fused_bytes=fused_bytes,
-        one_pass_bytes=fused_bytes - layer - logits,  # no recompute GEMM
+        one_pass_bytes=one_pass_common + weight if chunks == 1 else summed,
+        one_pass_main_grad_bytes=summed,
         unfused_extra=2 * logits,
-        fused_extra=fused_extra,
-        one_pass_extra=fused_extra,  # the same chunk and, below fp32, the same fp32 buffer
+        fused_extra=chunk_extra + (row_sums if low_precision else 0),
+        one_pass_extra=chunk_extra + (accumulator if low_precision and chunks > 1 else 0),
         one_pass_main_grad_extra=chunk_extra,  # main_grad is the trainer's, not the call's
         fused_chunk_extra=chunk_extra,
     )

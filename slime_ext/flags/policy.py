@@ -1,14 +1,18 @@
 """The policy loss's flag (--pg-loss-type) and its startup checks of slime's flags.
 
-slime features `fusedrl.slime_ext.losses.policy_loss` does not implement are refused here (GSPO,
-OPSM, TIS / mismatch metrics, a custom pg_loss reducer), never ignored. Every flag read here is
-slime's (slime/utils/arguments.py) or registered below.
+A slime feature `fusedrl.slime_ext.losses.policy_loss` does not implement is refused here (a
+custom pg_loss reducer: --loss-aggregation chooses it), never ignored; slime's off-policy
+corrections (GSPO, OPSM, TIS and a custom TIS function, the mismatch metrics) run in the loss
+(`slime_ext/corrections.py`), their settings checked here. Every flag read here is slime's
+(slime/utils/arguments.py) or registered below.
 
 Newer slime defines --pg-loss-type itself (choices ppo, reinforce; default None, slime's default
 objective); the package then registers nothing and reads slime's flag, which slime's own policy
 loss reads too. Where slime does not define it (slime 624b824) the package registers the same
 definition, read by its policy loss alone.
 """
+
+import math
 
 from .. import slime_options
 from . import custom_loss_is
@@ -18,7 +22,6 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 FLAG = "--pg-loss-type"
 PACKAGE_LOSSES = "fusedrl.slime_ext.losses."
 PG_LOSS_TYPES = ("ppo", "reinforce")
-UNSUPPORTED_FLAGS = ("use_opsm", "use_tis", "get_mismatch_metrics")
 
 
 def uses_policy_loss(args) -> bool:
@@ -57,11 +60,7 @@ def validate_args(args) -> None:
         _reject_unread_pg_loss_type(args)
         return
     pg_loss_type(args)
-    if args.advantage_estimator == "gspo":
-        raise ValueError(f"--advantage-estimator gspo (sequence-level ratio) is not implemented by {LOSS_PATHS[0]}")
-    for flag in UNSUPPORTED_FLAGS:
-        if getattr(args, flag, False):
-            raise ValueError(f"--{flag.replace('_', '-')} is not implemented by {LOSS_PATHS[0]}")
+    _check_corrections(args)
     if getattr(args, "custom_pg_loss_reducer_function_path", None) is not None:
         raise ValueError(
             f"--custom-pg-loss-reducer-function-path is not used by {LOSS_PATHS[0]}; choose --loss-aggregation instead"
@@ -70,6 +69,17 @@ def validate_args(args) -> None:
         raise ValueError(f"--eps-clip-c (dual-clip lower bound) must be > 1.0, got {args.eps_clip_c}")
     if args.use_kl_loss and args.kl_loss_type not in KL_TYPES:
         raise ValueError(f"--kl-loss-type must be one of {KL_TYPES}, got {args.kl_loss_type!r}")
+
+
+def _check_corrections(args) -> None:
+    """The off-policy corrections' settings: a TIS band (--tis-clip-low <= --tis-clip) when the
+    TIS step runs, a finite --opsm-delta under --use-opsm."""
+    if getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False):
+        low, high = float(args.tis_clip_low), float(args.tis_clip)
+        if math.isnan(low) or math.isnan(high) or low > high:
+            raise ValueError(f"--tis-clip-low ({args.tis_clip_low}) must be <= --tis-clip ({args.tis_clip}), neither NaN")
+    if getattr(args, "use_opsm", False) and not math.isfinite(float(args.opsm_delta)):
+        raise ValueError(f"--opsm-delta must be finite, got {args.opsm_delta}")
 
 
 def _reject_unread_pg_loss_type(args) -> None:

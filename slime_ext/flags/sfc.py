@@ -75,6 +75,7 @@ def validate_args(args) -> Optional[Implied]:
     if beta is None or not math.isfinite(float(beta)) or float(beta) < 0:
         raise ValueError(f"--sfc-kl-beta must be finite and >= 0 with the SFC loss, got {beta!r}")
     _check_untruncated_sampling(args)
+    _reject_ratio_corrections(args)
     _install_generate_wrapper(args)
     mode = args.sfc_loss_agg_mode
     return None if mode is None else Implied(*AGG_MODES[mode], flag=f"--sfc-loss-agg-mode {mode}")
@@ -87,6 +88,18 @@ def _reject_unused_flags(args) -> None:
                 f"--{flag.replace('_', '-')} is set but the loss is not SFC (--loss-type custom_loss "
                 f"--custom-loss-function-path {LOSS_PATHS[0]})"
             )
+
+
+def _reject_ratio_corrections(args) -> None:
+    """slime's importance-ratio corrections: the SFC loss has no ratio, so it would not apply them."""
+    flags = {"--use-tis": "use_tis", "--get-mismatch-metrics": "get_mismatch_metrics", "--use-opsm": "use_opsm"}
+    given = [flag for flag, dest in flags.items() if getattr(args, dest, False)]
+    given += ["--advantage-estimator gspo"] if getattr(args, "advantage_estimator", None) == "gspo" else []
+    if given:
+        raise ValueError(
+            f"{given[0]} corrects an importance ratio, which the SFC loss ({LOSS_PATHS[0]}) does not have: "
+            "it would not apply it; use the policy loss for slime's off-policy corrections"
+        )
 
 
 def _check_untruncated_sampling(args) -> None:

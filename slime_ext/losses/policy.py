@@ -18,17 +18,20 @@ loss to the reference model (k1, k2, k3, low_var_kl; --use-unbiased-kl) and
 Per-token tensors follow slime's CP layout: the rank's zigzag response positions, samples
 concatenated (old log-probs and advantages arrive sliced that way).
 
-slime features this loss does not implement are refused (`flags/policy.py`: GSPO, OPSM, TIS /
-mismatch metrics, a custom pg_loss reducer), never ignored: at startup through the package's entry
-point, and at the loss's first call whichever way slime was started.
+slime's off-policy corrections run as slime runs them (`corrections`): GSPO's sequence-level ratio
+and OPSM (--use-opsm) from each sample's whole response, and the TIS step (--use-tis,
+--custom-tis-function-path, --get-mismatch-metrics) whose kept loss masks then weigh pg_loss under
+--loss-aggregation and slime's reducer of the other terms. They need the micro-batch's every token
+before any token's gradient, so under --fusedrl-fused-lm-head they take the recompute path. A
+custom pg_loss reducer is refused (`flags/policy.py`): --loss-aggregation chooses it.
 """
 
 from typing import NamedTuple, Optional
 
 import torch
 
-from .. import one_pass
-from ..aggregation import aggregate_pg_loss
+from .. import corrections, one_pass
+from ..aggregation import aggregate_pg_loss, reduce_diagnostics
 from ..arguments import check_at_first_use
 from ..flags.policy import KL_TYPES, pg_loss_type
 from ..logprobs import locate_responses, logprobs_and_entropy, response_log_probs
@@ -114,12 +117,13 @@ class TokenTerms(NamedTuple):
     kl: Optional[torch.Tensor]
 
 
-def token_terms(args, kind: str, log_probs: torch.Tensor, inputs: PolicyInputs) -> TokenTerms:
+def token_terms(args, kind: str, log_probs: torch.Tensor, inputs: PolicyInputs, ppo_kl=None) -> TokenTerms:
     """Every per-token term of the loss from the tokens' log-probs and their known inputs; the
-    one definition the full-tensor path and the one-pass path's chunks both evaluate."""
+    one definition the full-tensor path and the one-pass path's chunks both evaluate. ppo_kl:
+    GSPO's sequence-level one (`corrections.sequence_terms`), else old - new per token."""
     old_log_probs = log_probs.detach() if inputs.old_log_probs is None else inputs.old_log_probs
     advantages = inputs.advantages
-    ppo_kl = old_log_probs - log_probs
+    ppo_kl = old_log_probs - log_probs if ppo_kl is None else ppo_kl
     if kind == "reinforce":
         pg_loss, pg_clipfrac = -advantages.detach() * log_probs, torch.zeros_like(log_probs)
     elif kind == "cispo":
@@ -171,8 +175,9 @@ def _one_pass(args, batch, logits, sum_of_sample_mean, kind, tokens, targets, su
 def policy_loss(args, batch, logits, sum_of_sample_mean):
     """slime custom-loss entry: `(loss, metrics)` for one micro-batch, metrics detached 0-d sums of
     per-sample means named as slime names them. Under --fusedrl-fused-lm-head the one-pass op
-    computes the loss and its gradient (`one_pass`), else the log-probs come from the kernel and
-    the loss from them by autograd; both evaluate `token_terms` and `objective`."""
+    computes the loss and its gradient (`one_pass`) unless a correction needs the whole micro-batch
+    first, else the log-probs come from the kernel and the loss from them by autograd; both
+    evaluate `token_terms` and `objective`."""
     check_at_first_use(args)
     kind = pg_loss_type(args)
     inputs = PolicyInputs.of(args, batch)
@@ -180,32 +185,57 @@ def policy_loss(args, batch, logits, sum_of_sample_mean):
         logits, args, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"],
         **_top_p_kwargs(args, batch),
     )  # fmt: skip
-    if one_pass.applies(tokens, "policy_loss"):
+    if one_pass.applies(tokens, "policy_loss", needs_whole_batch=corrections.whole_batch(args)):
         loss, log_probs, entropy = _one_pass(args, batch, logits, sum_of_sample_mean, kind, tokens, targets, support, inputs)
-    else:
-        per_sample_log_probs, per_sample_entropy = response_log_probs(
-            logits, tokens=tokens, targets=targets, support=support, args=args, with_entropy=True,
-            with_entropy_grad=args.entropy_coef != 0,
-        )  # fmt: skip
-        log_probs, entropy = torch.cat(per_sample_log_probs), torch.cat(per_sample_entropy)
-        loss = None
-    terms = token_terms(args, kind, log_probs, inputs)
-    full_loss, parts = objective(args, terms, entropy, lambda x: aggregate_pg_loss(args, batch, x), sum_of_sample_mean)
-    loss = reaching_logits(full_loss if loss is None else loss, logits, log_probs.numel())
+        terms = token_terms(args, kind, log_probs, inputs)
+        loss = reaching_logits(loss, logits, log_probs.numel())
+        return _reported(args, batch, loss, log_probs, terms, entropy, sum_of_sample_mean)
+    per_sample_log_probs, per_sample_entropy = response_log_probs(
+        logits, tokens=tokens, targets=targets, support=support, args=args, with_entropy=True,
+        with_entropy_grad=args.entropy_coef != 0,
+    )  # fmt: skip
+    log_probs, entropy = torch.cat(per_sample_log_probs), torch.cat(per_sample_entropy)
+    old = log_probs.detach() if inputs.old_log_probs is None else inputs.old_log_probs
+    sequence = corrections.sequence_terms(
+        args, batch, per_sample_log_probs, list(old.split([len(x) for x in per_sample_log_probs])), inputs.advantages
+    )
+    terms = token_terms(args, kind, log_probs, inputs, ppo_kl=sequence.ppo_kl)
+    if sequence.keep is not None:
+        terms = terms._replace(pg_loss=terms.pg_loss * sequence.keep)
+    extra, loss_masks, reduce_mean = {}, None, sum_of_sample_mean
+    if corrections.importance_sampling(args):
+        corrected = corrections.apply_tis(args, batch, terms.pg_loss, per_sample_log_probs)
+        terms, loss_masks = terms._replace(pg_loss=corrected.pg_loss), corrected.loss_masks
+        # slime rebuilds its reducer on the kept masks for the loss and its metrics; the TIS
+        # function's own metrics and ois keep the batch's masks
+        reduce_mean = lambda x: reduce_diagnostics(args, batch, x, loss_masks)  # noqa: E731
+        extra = {"ois": sum_of_sample_mean(torch.exp(-terms.ppo_kl))}
+        extra.update({key: sum_of_sample_mean(value) for key, value in corrected.metrics.items()})
+    if sequence.opsm_clipfrac is not None:
+        extra["opsm_clipfrac"] = sequence.opsm_clipfrac
+    full_loss, parts = objective(args, terms, entropy, lambda x: aggregate_pg_loss(args, batch, x, loss_masks), reduce_mean)
+    loss = reaching_logits(full_loss, logits, log_probs.numel())
+    return _reported(args, batch, loss, log_probs, terms, entropy, reduce_mean, parts, extra)
+
+
+def _reported(args, batch, loss, log_probs, terms, entropy, reduce_mean, parts=None, extra=None):
+    """`(loss, metrics)` as slime reports them: pg_loss and the regularisers (`parts`, computed
+    here from `terms` when not given), pg_clipfrac, ppo_kl, the rollout log-prob drift and the
+    corrections' `extra` metrics."""
+    if parts is None:
+        parts = objective(args, terms, entropy, lambda x: aggregate_pg_loss(args, batch, x), reduce_mean)[1]
     metrics = {
         "pg_loss": parts["pg_loss"],
         "entropy_loss": parts["entropy_loss"],
-        "pg_clipfrac": sum_of_sample_mean(terms.pg_clipfrac),
-        "ppo_kl": sum_of_sample_mean(terms.ppo_kl),
+        "pg_clipfrac": reduce_mean(terms.pg_clipfrac),
+        "ppo_kl": reduce_mean(terms.ppo_kl),
     }
     if "kl_loss" in parts:
         metrics["kl_loss"] = parts["kl_loss"]
-
     rollout_log_probs = batch.get("rollout_log_probs")
     if rollout_log_probs:
         compared = log_probs if args.use_rollout_logprobs else terms.old_log_probs
-        metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((compared - torch.cat(rollout_log_probs)).abs())
+        metrics["train_rollout_logprob_abs_diff"] = reduce_mean((compared - torch.cat(rollout_log_probs)).abs())
     if batch.get("opd_reverse_kl"):
-        metrics["opd_reverse_kl"] = sum_of_sample_mean(torch.cat(batch["opd_reverse_kl"]))
-
-    return loss, detached({"loss": loss, **metrics})
+        metrics["opd_reverse_kl"] = reduce_mean(torch.cat(batch["opd_reverse_kl"]))
+    return loss, detached({"loss": loss, **metrics, **(extra or {})})

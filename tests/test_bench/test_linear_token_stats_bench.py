@@ -21,7 +21,8 @@ LM_HEAD_SUBJECTS = ("fused", "eager", "one_pass", "one_pass_main_grad")
 
 def test_measured_chunk_memory_follows_the_cost_model():
     """fwd+bwd peak extra of the fused path: the model's chunk of logits plus per-row bookkeeping
-    (partials, gathered rows: under 16 KiB here), growing with the chunk; the unfused path holds
+    (partials, gathered rows: under 16 KiB here; the recompute path's float64 merge of its slices'
+    partials, under 64 bytes per row and slice), growing with the chunk; the unfused path holds
     its logits and their gradient."""
     study = dict(tokens=32, vocab=2000, hidden=16, chunks=(4, 8, 32))
     base, rows = chunk_study("fp32", study)
@@ -30,7 +31,8 @@ def test_measured_chunk_memory_follows_the_cost_model():
     extras = {}
     for _, figures, chunk, key in chunked:
         model = cost(base.tokens, base.hidden, base.vocab, 4, chunk)[f"{key}_extra"]
-        assert model <= figures["peak_extra_bytes"] <= model + (16 << 10)
+        slices = -(-base.tokens // chunk) if key == "fused" else 0  # the slices' columns divide V here
+        assert model <= figures["peak_extra_bytes"] <= model + (16 << 10) + 64 * slices * base.tokens
         assert figures["error"] < 1e-5
         extras.setdefault(key, []).append(figures["peak_extra_bytes"])
     assert set(extras) == {"fused", "one_pass", "one_pass_main_grad"}
@@ -43,25 +45,28 @@ def test_cost_model_terms():
     tokens, hidden, vocab = 1000, 64, 5000
     fp32, bf16 = cost(tokens, hidden, vocab, 4, 250), cost(tokens, hidden, vocab, 2, 250)
     assert fp32["fused_flops"] * 3 == fp32["unfused_flops"] * 4  # one extra GEMM of three
-    assert fp32["fused_extra"] == 250 * vocab * 4  # the fp32 accumulator is the returned gradient
-    assert bf16["fused_extra"] == 250 * vocab * 2 + vocab * hidden * 4  # chunk + fp32 accumulator
+    assert fp32["fused_extra"] == 250 * vocab * 4  # the fp32 hidden-state sums are the returned gradient
+    assert bf16["fused_extra"] == 250 * vocab * 2 + tokens * hidden * 4  # chunk + fp32 [T, H] sums, no [V, H]
     assert fp32["unfused_extra"] == 2 * tokens * vocab * 4
+    rows, weight, logits = tokens * hidden * 4, vocab * hidden * 4, tokens * vocab * 4
     one_chunk = cost(tokens, hidden, vocab, 4, tokens)
-    layer, logits, weight = (tokens + vocab) * hidden * 4, tokens * vocab * 4, vocab * hidden * 4
-    assert one_chunk["fused_bytes"] - one_chunk["unfused_bytes"] == layer + logits + 2 * weight - weight
-    assert fp32["fused_bytes"] - one_chunk["fused_bytes"] == 3 * 3 * weight + 2 * 3 * weight
+    assert one_chunk["fused_bytes"] - one_chunk["unfused_bytes"] == rows + weight + logits + 2 * rows
+    assert fp32["fused_bytes"] - one_chunk["fused_bytes"] == 3 * 4 * rows + 3 * 2 * rows  # 4 slices of 1250 columns
     assert fp32["one_pass_flops"] == fp32["unfused_flops"]  # three GEMMs, as the unfused path
-    assert fp32["one_pass_extra"] == fp32["fused_extra"] and bf16["one_pass_extra"] == bf16["fused_extra"]
+    assert one_chunk["one_pass_bytes"] == one_chunk["unfused_bytes"]  # one chunk: the unfused path's bytes
+    assert fp32["one_pass_bytes"] == fp32["one_pass_main_grad_bytes"]  # several chunks: fp32 sums either way
+    assert fp32["one_pass_extra"] == 250 * vocab * 4 and bf16["one_pass_extra"] == 250 * vocab * 2 + vocab * hidden * 4
+    assert cost(tokens, hidden, vocab, 2, tokens)["one_pass_extra"] == tokens * vocab * 2  # one chunk: no sums
     assert bf16["one_pass_main_grad_extra"] == 250 * vocab * 2  # the chunk alone: no fp32 buffer of its own
-    assert fp32["fused_bytes"] - fp32["one_pass_bytes"] == layer + logits  # no recompute GEMM
     assert "not a measurement" in format_projection()
 
 
 def test_one_pass_subjects_count_three_gemms_and_hold_one_chunk():
     """Counted over a whole forward + backward (torch's FlopCounterMode): the one-pass subjects run
     the unfused path's 6 T V H GEMM flops, all in the forward, the recompute path 8 T V H. Peak
-    extra memory, bf16: with main_grad one chunk of logits plus bookkeeping; without, that and the
-    fp32 [V, H] buffer, like the recompute path."""
+    extra memory, bf16: the recompute path and the one pass into main_grad one chunk of logits plus
+    bookkeeping; the one pass over several chunks, that and the fp32 [V, H] sums; over one chunk,
+    the chunk alone."""
     tokens, vocab, hidden, chunk = 32, 2000, 16, 8
     case = LinearCase(tokens, vocab, "bf16", 2, True, 0.7, hidden, chunk_rows=chunk)
     workload = LinearWorkload.make(case, torch.device("cpu"))
@@ -73,19 +78,24 @@ def test_one_pass_subjects_count_three_gemms_and_hold_one_chunk():
     }
     assert figures["one_pass"]["fwd"]["gemm_flops"] == 3 * one_gemm  # all of it in the forward
     assert figures["one_pass"]["bwd"]["gemm_flops"] == 0
-    # the chunk of bf16 logits and, on CPU, the fp32 copy of its gradient the weight-gradient GEMM
-    # takes (torch has no bf16 x bf16 -> fp32 addmm there; a GPU adds in place)
-    chunk_bytes, bookkeeping = chunk * vocab * (2 + 4), 16 << 10
+    # the chunk of bf16 logits and, on CPU, the fp32 copies a GEMM summed in fp32 takes, in blocks
+    # of a quarter of the chunk's elements (torch has no bf16 x bf16 -> fp32 addmm there)
+    chunk_bytes, upcast, bookkeeping = chunk * vocab * 2, chunk * vocab, 16 << 10
     accumulator = vocab * hidden * 4
     extra = {name: f["fwd+bwd"]["peak_extra_bytes"] for name, f in figures.items()}
-    assert chunk_bytes <= extra["one_pass_main_grad"] <= chunk_bytes + bookkeeping
-    assert chunk_bytes + accumulator <= extra["one_pass"] <= chunk_bytes + accumulator + bookkeeping
-    assert extra["one_pass_main_grad"] < extra["eager"] / 2  # a quarter of the rows, at 6 bytes a logit, of 4
+    assert chunk_bytes <= extra["one_pass_main_grad"] <= chunk_bytes + upcast + bookkeeping
+    assert chunk_bytes + accumulator <= extra["one_pass"] <= chunk_bytes + upcast + accumulator + bookkeeping
+    assert chunk_bytes <= extra["fused"] <= chunk_bytes + upcast + bookkeeping < accumulator
+    assert extra["one_pass_main_grad"] < extra["eager"] / 2  # a quarter of the rows, at 3-4 bytes a logit, of 4
     for name, f in figures.items():
         assert f["fwd+bwd"]["error"] <= figures["eager"]["fwd+bwd"]["error"] * 1.05 + 1e-6, name
     records = [dict(case=case, phase="fwd+bwd", subject=name, time_ms=None, **f["fwd+bwd"]) for name, f in figures.items()]
     table = format_subject_table(records)
     assert "one_pass_main_grad" in table and "4.00" in table and "3.00" in table
+    one_chunk = LinearWorkload.make(LinearCase(tokens, vocab, "bf16", 2, True, 0.7, 64, chunk_rows=tokens), torch.device("cpu"))
+    (one_pass,) = [subject for subject in subjects if subject.name == "one_pass"]
+    single = profile(one_pass, one_chunk, count_bytes=False)["fwd+bwd"]["peak_extra_bytes"]
+    assert tokens * vocab * 2 <= single <= tokens * vocab * 3 + bookkeeping < vocab * 64 * 4  # no [V, H] sums
 
 
 def test_cli_runs_the_lm_head_op(tmp_path):

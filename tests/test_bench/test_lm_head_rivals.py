@@ -13,8 +13,9 @@ import torch
 from bench_package import import_bench
 
 import_bench()
-from bench.harness.measure import profile  # noqa: E402
-from bench.subjects import make_subjects, refusal_notes  # noqa: E402
+from bench.__main__ import main as bench_main  # noqa: E402
+from bench.harness.measure import measure_case, profile  # noqa: E402
+from bench.subjects import Unavailable, make_subjects, refusal_notes  # noqa: E402
 from bench.workloads.linear_token_stats import LinearCase, LinearWorkload  # noqa: E402
 
 RIVALS = ("verl", "liger_flce", "liger_scaled")
@@ -68,3 +69,39 @@ def test_rivals_refuse_what_they_cannot_run():
     assert any(note.startswith("liger_flce: not supported, returns no entropy") for note in notes), notes
     odd_width = LinearCase(16, 700, "fp32", 1, True, 1.0, 96)
     assert "hidden % 128" in refusal_notes([odd_width], subjects[:1])[0]
+
+
+class _CpuOnlyNvtx:
+    """torch.cuda.nvtx's module-level `_nvtx` as a CPU-only torch build has it (`_NVTXStub`)."""
+
+    @staticmethod
+    def _fail(*args, **kwargs):
+        raise RuntimeError("NVTX functions not installed. Are you sure you have a CUDA build?")
+
+    rangePushA = rangePop = markA = _fail
+
+
+def test_a_rival_this_build_cannot_run_is_a_note_not_the_end_of_the_run(monkeypatch, tmp_path, capsys):
+    """On a CPU-only torch build verl's forward opens `torch.cuda.nvtx.range`, which raises: the run
+    goes on, the other subjects are measured, and verl's rows are a note saying why."""
+    _subject("verl")  # skips where verl is not installed
+    monkeypatch.setattr(torch.cuda.nvtx, "_nvtx", _CpuOnlyNvtx())
+    records = bench_main(["--device", "cpu", "--op", "linear_token_stats", "-T", "8", "-V", "300", "--dtype", "fp32",
+                          "-J", "1", "--entropy", "on", "--phase", "fwd+bwd", "--subjects", "eager", "verl",
+                          "--results-dir", str(tmp_path)])  # fmt: skip
+    assert {record["subject"] for record in records} == {"fused", "eager"}
+    out = capsys.readouterr().out
+    assert ("note: verl: unavailable (RuntimeError: NVTX functions not installed. Are you sure you have a CUDA "
+            "build?): lm D=256 T=8 V=300 fp32 J=1 +H") in out  # fmt: skip
+
+
+def test_the_package_s_own_errors_end_the_run(monkeypatch):
+    """Only a peer's RuntimeError becomes a note: the package's own subjects raise as they are."""
+
+    def broken(layer, workload):
+        raise RuntimeError("a bug of the package")
+
+    fused = _subject("fused")
+    monkeypatch.setitem(fused.runs, "linear_token_stats", broken)
+    with pytest.raises(RuntimeError, match="a bug of the package"):
+        measure_case(LinearWorkload.make(_case("verl", "fp32"), CPU), [fused], unavailable=Unavailable())

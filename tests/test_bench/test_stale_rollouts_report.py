@@ -333,3 +333,9 @@ def test_more_workers_than_cores_is_refused(capsys):
     with pytest.raises(SystemExit):
         stale_rollouts.parse(["--workers", "999"])
     assert "--workers 999" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cores, workers", [({0}, 1), ({0, 1}, 2), (set(range(8)), 2)])
+def test_two_runs_at_once_by_default_where_two_cores_are_free(monkeypatch, cores, workers):
+    monkeypatch.setattr(stale_rollouts.os, "sched_getaffinity", lambda pid: cores)
+    assert stale_rollouts.parse([]).workers == workers

@@ -213,3 +213,57 @@ def test_low_precision_weight_gradient_sums_in_fp32_on_every_device():
     from fusedrl.kernels.linear_token_stats import _adds_low_precision_products_in_fp32
 
     assert _adds_low_precision_products_in_fp32("cpu", torch.bfloat16) is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocabulary_walk_weight_gradient_no_worse_than_the_unfused_path(dtype, device):
+    """The backward walks the vocabulary in slices (here 6, the last one short: V = 1037 is odd and
+    no multiple of the slice), all selected rows at once: each slice of the weight gradient is one
+    GEMM's output, rounded once to the layer's dtype, no fp32 [V, H] sum. Against float64, over
+    seeds, at |logits| / T in the hundreds, with repeated ids and selected rows: no worse than the
+    unfused path in the same dtype (the same token-statistics kernel on the full logits; on a GPU
+    also the eager bf16 matmul + fp32 log-softmax, which the interpreter's truncating casts make
+    unfair on CPU)."""
+    num_rows, width, vocab, temperature = 20, 32, 1037, 0.05
+    rows = torch.tensor([19, 2, 3, 7, 11, 0, 5, 8, 13, 17, 1, 4, 6, 9, 10, 12])
+    bars = [unfused_head] + ([eager_head] if device.type == "cuda" else [])
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(100 + seed)
+        hidden, weight = random_layer(num_rows, width, vocab, dtype, gen, logit_scale=10.0, exact=dtype != torch.float32)
+        ids = make_ids(rows.numel(), vocab, 5, gen)
+        ids[:, 1] = ids[:, 0]  # a repeated id in every row
+        kwargs = dict(temperature=temperature, with_entropy=True, rows=rows)
+        _, grads, (fused_hidden, fused_weight) = head_with_grad(
+            linear_token_stats, hidden, weight, ids, device=device, chunk_rows=3, **kwargs
+        )
+        _, _, (truth_hidden, truth_weight) = head_with_grad(truth_head, hidden, weight, ids, grads, **kwargs)
+        assert fused_weight.dtype == dtype
+        for bar in bars:
+            _, _, (bar_hidden, bar_weight) = head_with_grad(bar, hidden, weight, ids, grads, device=device, **kwargs)
+            assert rel_err(fused_weight, truth_weight) <= rel_err(bar_weight, truth_weight) * 1.05 + 1e-7, (seed, bar)
+            assert rel_err(fused_hidden, truth_hidden) <= rel_err(bar_hidden, truth_hidden) * 1.05 + 1e-7, (seed, bar)
+        if dtype == torch.float32:
+            assert rel_err(fused_weight, truth_weight) < FP32_TOL
+
+
+def test_low_precision_backward_holds_one_slice_of_logits_and_no_weight_sized_sum(device):
+    """bf16: the backward's peak beyond its returned gradients is one slice of logits (as many
+    elements as the forward's chunk) and per-row bookkeeping, not the fp32 [V, H] sum over row
+    chunks it once held (4 V H bytes, 4x the chunk here)."""
+    gen = torch.Generator().manual_seed(5)
+    num_rows, width, vocab, num_ids, chunk = 64, 16, 2000, 3, 8
+    hidden, weight = random_layer(num_rows, width, vocab, torch.bfloat16, gen)
+    ids = make_ids(num_rows, vocab, num_ids, gen).to(device)
+    hidden = hidden.to(device).requires_grad_(True)
+    weight = weight.to(device).requires_grad_(True)
+    chunk_logits = chunk * vocab * 2
+    upcast = chunk_logits // 2  # CPU only: the fp32 copies of `add_product_fp32`, a quarter of a chunk's elements
+    bookkeeping = 16 * num_rows * (3 + num_ids) * 8 + num_rows * width * 4  # the rows' fp32 d hidden sums
+    with TensorTally() as tally:
+        stats = linear_token_stats(hidden, weight, ids, with_entropy=True, chunk_rows=chunk)
+        gc.collect()  # the Triton interpreter's argument closures keep launched tensors in a cycle
+        tally.reset_peak()
+        grads = torch.autograd.grad(stats.logp.sum() + stats.entropy.sum(), [hidden, weight])
+        backward_peak = tally.peak() - sum(g.numel() * g.element_size() for g in grads)
+    assert backward_peak <= chunk_logits + upcast + bookkeeping
+    assert chunk_logits + upcast + bookkeeping < vocab * width * 4

@@ -26,6 +26,7 @@ package's own layout code:
   (the workers come from `distributed.get_pool`), and the comparison with a float64 reference.
 """
 
+import sys
 from argparse import Namespace
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
@@ -209,8 +210,12 @@ def slime_args(**overrides) -> Namespace:
         use_unbiased_kl=False,
         use_rollout_logprobs=False,
         use_tis=False,
+        tis_clip=2.0,
+        tis_clip_low=0.0,
+        custom_tis_function_path=None,
         get_mismatch_metrics=False,
         use_opsm=False,
+        opsm_delta=1e-4,
         calculate_per_token_loss=False,
         custom_pg_loss_reducer_function_path=None,
         recompute_loss_function=False,
@@ -266,6 +271,35 @@ def reference_response_stats(full_logits, tokens, totals, responses, temperature
             z = z.masked_fill(~keep, float("-inf"))
         log_probs.append(torch.log_softmax(z, -1).gather(1, target.unsqueeze(1)).squeeze(1))
     return log_probs, entropies
+
+
+def _cp_layout():
+    """(cp rank, cp size, cp group) of megatron-core's parallel state ((0, 1, None) without one;
+    only a process that imported it can have initialised it, so the heavy import is skipped)."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
+        return 0, 1, None
+    group = parallel_state.get_context_parallel_group()
+    return parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size(), group
+
+
+def reject_outside_tis_band(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, **kwargs):
+    """A rejection-sampling TIS function with slime's signature (`--custom-tis-function-path`; the
+    form of slime's MIS helpers): a token whose ratio exp(train - rollout) lies outside
+    [--tis-clip-low, --tis-clip] leaves the loss mask (full-response masks, so the cp rank holding
+    the token tells the others), every token's pg_loss is weighted by its ratio; its own metric
+    `rs_reject_frac` (rejected tokens)."""
+    cp_rank, cp_size, group = _cp_layout()
+    ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))
+    rejected = (ratio < args.tis_clip_low) | (ratio > args.tis_clip)
+    kept_masks = []
+    for part, mask, total, response in zip(rejected.split([len(x) for x in train_log_probs]), loss_masks, total_lengths, response_lengths):
+        outside = torch.zeros(response, dtype=torch.float64, device=mask.device)
+        outside[rank_response_positions(total, response, cp_rank, cp_size).to(mask.device)] = part.double()
+        if cp_size > 1:
+            torch.distributed.all_reduce(outside, group=group)
+        kept_masks.append(mask * (outside == 0).to(mask.dtype))
+    return pg_loss * ratio, kept_masks, {"rs_reject_frac": rejected.float()}
 
 
 # ----------------------------------------------------------------------------- slime's loss wrapper

@@ -28,10 +28,13 @@ from slime_harness import (
     reference_response_stats,
     run_loss_on_ranks,
     slime_args,
+    sum_of_sample_mean,
     top_p_replay,
 )
 
 PROMPT_DENOMINATORS = [9.0, 9.0, 4.0, 12.0, 3.0]
+REJECTION = "slime_harness.reject_outside_tis_band"
+BAND = dict(tis_clip=1.05, tis_clip_low=0.95)  # the samples' TIS ratios lie on both sides
 
 
 # ----------------------------------------------------------------------------- reference
@@ -65,7 +68,39 @@ def reference_pg_term(args, batch, pg_loss, reducer, cp_rank, cp_size):
     return total
 
 
-def reference_policy_loss(args, batch, stats, reducer, cp_rank, cp_size):
+def reference_corrections(args, batch, samples, lp_full, cp_rank, cp_size):
+    """slime's corrections on the rank's tokens: (GSPO's per-token ppo_kl or None, OPSM's keep
+    multiplier or None, opsm_clipfrac or None), each sample's sequence KL from its whole response."""
+    pos = [rank_response_positions(t, r, cp_rank, cp_size) for t, r in zip(TOTALS, RESPONSES)]
+    old_full = [(s.rollout_log_probs if args.use_rollout_logprobs else s.log_probs).double() for s in samples]
+    seq_kl = [((o - lp) * s.loss_mask).sum() / s.loss_mask.sum().clamp_min(1) for o, lp, s in zip(old_full, lp_full, samples)]
+    ppo_kl = torch.cat([k.expand(len(p)) for k, p in zip(seq_kl, pos)]) if args.advantage_estimator == "gspo" else None
+    if not args.use_opsm:
+        return ppo_kl, None, None
+    adv = [s.advantages.double()[p] for s, p in zip(samples, pos)]
+    masked = [((a < 0) & (k.detach() > args.opsm_delta)).double() for a, k in zip(adv, seq_kl)]
+    clipfrac = sum(m.sum() / s.loss_mask.sum().clamp_min(1) for m, s in zip(masked, samples))
+    return ppo_kl, 1 - torch.cat(masked), clipfrac
+
+
+def reference_tis(args, batch, samples, pg):
+    """slime's TIS step on the rank's per-token pg: (pg, kept full loss masks, metrics), for the
+    vanilla function and `slime_harness.reject_outside_tis_band` (decided on the full responses)."""
+    ratio = torch.exp(torch.cat(batch["log_probs"]).double() - torch.cat(batch["rollout_log_probs"]).double())
+    low, high = args.tis_clip_low, args.tis_clip
+    if args.custom_tis_function_path is None:
+        clamped = ratio.clamp(low, high)
+        metrics = {"tis": ratio, "tis_clipfrac": (clamped != ratio).double(), "tis_abs": (ratio - 1).abs()}
+        return pg * clamped, batch["loss_masks"], metrics
+    assert args.custom_tis_function_path == REJECTION
+    kept = []
+    for s in samples:
+        full_ratio = torch.exp(s.log_probs.double() - s.rollout_log_probs.double())
+        kept.append(s.loss_mask * ((full_ratio >= low) & (full_ratio <= high)).to(s.loss_mask.dtype))
+    return pg * ratio, kept, {"rs_reject_frac": ((ratio < low) | (ratio > high)).double()}
+
+
+def reference_policy_loss(args, batch, stats, reducer, cp_rank, cp_size, samples):
     """slime's policy loss on float64 log-probs / entropies of the rank's positions."""
     lp_full, ent_full = stats
     pos = [rank_response_positions(t, r, cp_rank, cp_size) for t, r in zip(TOTALS, RESPONSES)]
@@ -73,7 +108,9 @@ def reference_policy_loss(args, batch, stats, reducer, cp_rank, cp_size):
     ent = torch.cat([x[p] for x, p in zip(ent_full, pos)])
     old = torch.cat(batch["rollout_log_probs"] if args.use_rollout_logprobs else batch["log_probs"]).double()
     adv = torch.cat(batch["advantages"]).double()
-    ratio = torch.exp(lp - old)
+    seq_ppo_kl, opsm_keep, opsm_clipfrac = reference_corrections(args, batch, samples, lp_full, cp_rank, cp_size)
+    ppo_kl = old - lp if seq_ppo_kl is None else seq_ppo_kl
+    ratio = torch.exp(-ppo_kl)
     clipped_ratio = ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high)
     if getattr(args, "pg_loss_type", None) == "reinforce":
         pg = -adv * lp
@@ -86,17 +123,27 @@ def reference_policy_loss(args, batch, stats, reducer, cp_rank, cp_size):
         clipfrac = (-clipped_ratio * adv > -ratio * adv).double()
         if args.eps_clip_c is not None:
             pg = torch.where(adv < 0, torch.minimum(-args.eps_clip_c * adv, pg), pg)
-    pg_loss = reference_pg_term(args, batch, pg, reducer, cp_rank, cp_size)
+    if opsm_keep is not None:
+        pg = pg * opsm_keep
+    extra, kept_batch, metric_reducer = {}, batch, reducer
+    if args.use_tis or args.get_mismatch_metrics:
+        pg, kept, tis_metrics = reference_tis(args, batch, samples, pg)
+        kept_batch = dict(batch, loss_masks=kept)  # slime's reducer rebuilt on the kept masks
+        reducer = sum_of_sample_mean(kept_batch, cp_rank, cp_size, per_token=args.calculate_per_token_loss)
+        extra = {"ois": metric_reducer(torch.exp(-ppo_kl)), **{k: metric_reducer(v) for k, v in tis_metrics.items()}}
+    if opsm_clipfrac is not None:
+        extra["opsm_clipfrac"] = opsm_clipfrac
+    pg_loss = reference_pg_term(args, kept_batch, pg, reducer, cp_rank, cp_size)
     entropy = reducer(ent if args.entropy_coef != 0 else ent.detach())
     loss = pg_loss - args.entropy_coef * entropy
-    metrics = {"pg_loss": pg_loss, "entropy_loss": entropy, "pg_clipfrac": reducer(clipfrac), "ppo_kl": reducer(old - lp)}
+    metrics = {"pg_loss": pg_loss, "entropy_loss": entropy, "pg_clipfrac": reducer(clipfrac), "ppo_kl": reducer(ppo_kl)}
     if args.use_kl_loss:
         unbiased = torch.exp(lp - old) if args.use_unbiased_kl else None
         metrics["kl_loss"] = reducer(reference_kl(lp, torch.cat(batch["ref_log_probs"]).double(), args.kl_loss_type, unbiased))
         loss = loss + args.kl_loss_coef * metrics["kl_loss"]
     compared = lp if args.use_rollout_logprobs else old
     metrics["train_rollout_logprob_abs_diff"] = reducer((compared - torch.cat(batch["rollout_log_probs"]).double()).abs())
-    return loss, {"loss": loss, **metrics}
+    return loss, {"loss": loss, **metrics, **extra}
 
 
 # ----------------------------------------------------------------------------- cases
@@ -130,7 +177,18 @@ CASES = {
     "ppo_token_mean": (1, 2, dict(loss_aggregation="token_mean", calculate_per_token_loss=True, entropy_coef=0.01)),
     "cispo_prompt_mean": (1, 2, dict(advantage_estimator="cispo", loss_aggregation="prompt_mean")),
     "reinforce_entropy": (2, 1, dict(pg_loss_type="reinforce", entropy_coef=0.01)),
-}
+    # slime's corrections under each --loss-aggregation mode (sample_mean against slime's own code:
+    # test_upstream_slime_corrections.py): a TIS function's kept masks weigh every term
+    "cispo_tis_kl": (1, 1, dict(advantage_estimator="cispo", use_tis=True, use_kl_loss=True, kl_loss_coef=0.1, **BAND)),
+    "tis_constant": (2, 1, dict(use_tis=True, loss_aggregation="constant", loss_aggregation_divisor=7.0, entropy_coef=0.01, **BAND)),
+    "rejection_prompt_mean": (1, 2, dict(use_tis=True, custom_tis_function_path=REJECTION, loss_aggregation="prompt_mean",
+                                         use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", **BAND)),
+    "rejection_token_mean": (2, 2, dict(get_mismatch_metrics=True, custom_tis_function_path=REJECTION, entropy_coef=0.01,
+                                        loss_aggregation="token_mean", calculate_per_token_loss=True, **BAND)),
+    "gspo_opsm_prompt_mean": (1, 2, dict(advantage_estimator="gspo", use_opsm=True, opsm_delta=3.0, loss_aggregation="prompt_mean")),
+    "opsm_tis_constant": (2, 1, dict(use_opsm=True, opsm_delta=3.0, use_tis=True, loss_aggregation="constant",
+                                     loss_aggregation_divisor=5.0, **BAND)),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -147,7 +205,7 @@ def test_policy_loss_matches_slime_reference(case, device):
         args,
         cp,
         lambda cp_rank: _batch(samples, args, cp_rank, cp, replay),
-        lambda cp_rank: lambda a, b, logits, reducer: reference_policy_loss(a, b, stats, reducer, cp_rank, cp),
+        lambda cp_rank: lambda a, b, logits, reducer: reference_policy_loss(a, b, stats, reducer, cp_rank, cp, samples),
     )
     ref_grads = torch.autograd.grad(sum(loss for loss, _ in expected), ref_logits)
     results = run_loss_on_ranks(tp, cp, device, _rank_policy_loss, samples, full_logits, args, replay)
@@ -200,12 +258,11 @@ def test_policy_loss_is_bitwise_deterministic(device):
     [
         (dict(pg_loss_type="reinforce", advantage_estimator="cispo"), "--pg-loss-type reinforce"),
         (dict(use_kl_loss=True, kl_loss_type="k9"), "--kl-loss-type"),
-        (dict(use_opsm=True), "--use-opsm"),
-        (dict(get_mismatch_metrics=True), "--get-mismatch-metrics"),
-        (dict(use_tis=True), "--use-tis"),
-        (dict(advantage_estimator="gspo"), "--advantage-estimator gspo"),
+        (dict(use_tis=True, tis_clip_low=2.5), "--tis-clip-low"),
+        (dict(get_mismatch_metrics=True, tis_clip=float("nan")), "--tis-clip"),
+        (dict(use_opsm=True, opsm_delta=float("inf")), "--opsm-delta"),
         (dict(custom_pg_loss_reducer_function_path="a.b"), "--custom-pg-loss-reducer-function-path"),
-        (dict(custom_loss_function_path="fusedrl.slime_ext.losses.policy.policy_loss", use_opsm=True), "--use-opsm"),
+        (dict(custom_loss_function_path="fusedrl.slime_ext.losses.policy.policy_loss", use_opsm=True, opsm_delta=float("nan")), "--opsm-delta"),
         (dict(loss_type="policy_loss", pg_loss_type="reinforce"), "--pg-loss-type reinforce"),
     ],
 )
@@ -220,3 +277,48 @@ def test_policy_validation_ignores_other_losses():
     from fusedrl.slime_ext.flags.policy import validate_args
 
     validate_args(slime_args(loss_type="policy_loss", use_tis=True))
+
+
+def _direct_call(args, batch=None):
+    """The loss called directly (no startup check beyond its own first-use one), tp = cp = 1."""
+    samples = make_samples(5, TOTALS, RESPONSES, VOCAB)
+    batch = micro_batch(samples, 0, 1) if batch is None else batch
+    logits = torch.cat(make_logits(5, TOTALS, VOCAB)).float().unsqueeze(0).requires_grad_()
+    return policy_loss(args, batch, logits, sum_of_sample_mean(batch, 0, 1))
+
+
+@pytest.mark.parametrize(
+    "flags,reported",
+    [
+        (dict(use_tis=True, **BAND), {"ois", "tis", "tis_clipfrac", "tis_abs"}),
+        (dict(get_mismatch_metrics=True, custom_tis_function_path=REJECTION, **BAND), {"ois", "rs_reject_frac"}),
+        (dict(use_opsm=True, opsm_delta=3.0), {"opsm_clipfrac"}),
+        (dict(advantage_estimator="gspo"), set()),
+    ],
+)
+def test_a_correction_set_after_the_first_use_check_is_computed_not_ignored(flags, reported):
+    """The first-use check runs once per args object: a correction switched on later (or args the
+    entry point never saw) is still computed by the loss: its metrics appear and the loss moves."""
+    args = slime_args()
+    plain_loss, plain_metrics = _direct_call(args)
+    for key, value in flags.items():
+        setattr(args, key, value)
+    loss, metrics = _direct_call(args)
+    assert set(metrics) - set(plain_metrics) == reported
+    assert not torch.equal(loss.detach(), plain_loss.detach())
+
+
+def test_a_correction_without_its_inputs_or_with_a_malformed_tis_function_is_refused_naming_the_flag():
+    batch = micro_batch(make_samples(5, TOTALS, RESPONSES, VOCAB), 0, 1)
+    batch["rollout_log_probs"] = []
+    with pytest.raises(ValueError, match="--use-tis needs the rollout log-probs"):
+        _direct_call(slime_args(use_tis=True), batch)
+    with pytest.raises(ValueError, match="--custom-tis-function-path fusedrl.slime_ext.losses.policy.policy_loss does not take"):
+        _direct_call(slime_args(use_tis=True, custom_tis_function_path="fusedrl.slime_ext.losses.policy.policy_loss"))
+    with pytest.raises(ValueError, match="--custom-tis-function-path test_policy_loss.pg_loss_only must return"):
+        _direct_call(slime_args(get_mismatch_metrics=True, custom_tis_function_path="test_policy_loss.pg_loss_only"))
+
+
+def pg_loss_only(args, *, pg_loss, **kwargs):
+    """A TIS function that returns pg_loss alone instead of slime's (pg_loss, masks, metrics)."""
+    return pg_loss

@@ -73,6 +73,8 @@ def test_agg_mode_sets_the_loss_aggregation(mode, aggregation_mode, per_token, d
         (GOOD, {"rollout_top_k": 50}, "--rollout-top-k"),
         (GOOD, {"entropy_coef": 0.01}, "--entropy-coef"),
         (GOOD, {"rollout_temperature": 0.0}, "--rollout-temperature"),
+        (GOOD, {"use_tis": True}, "--use-tis corrects an importance ratio"),
+        (GOOD, {"advantage_estimator": "gspo"}, "--advantage-estimator gspo corrects"),
         (GOOD + ("--sfc-loss-agg-mode", "token-mean", "--loss-aggregation", "sample_mean"), {}, "--sfc-loss-agg-mode"),
         (GOOD + ("--sfc-loss-agg-mode", "token-sum", "--loss-aggregation-divisor", "8"), {}, "--loss-aggregation-divisor"),
         (GOOD + ("--sfc-inner-generate-function-path", "a.b"), {"custom_generate_function_path": "c.d"}, "--sfc-inner-generate-function-path"),

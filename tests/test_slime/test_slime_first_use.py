@@ -24,8 +24,8 @@ def plain_slime_args(**overrides):
     "overrides,named",
     [
         (dict(), "--loss-aggregation, --pg-loss-type and the package's other flags are not on slime's args"),
-        (dict(use_opsm=True), "--use-opsm"),
-        (dict(custom_loss_function_path="fusedrl.slime_ext.losses.policy.policy_loss", advantage_estimator="gspo"), "--advantage-estimator gspo"),
+        (dict(use_tis=True, tis_clip_low=3.0), "--tis-clip-low"),
+        (dict(custom_loss_function_path="fusedrl.slime_ext.losses.policy.policy_loss", use_opsm=True, opsm_delta=float("nan")), "--opsm-delta"),
     ],
 )
 def test_args_from_slimes_own_parser_are_refused_with_the_flag_named(overrides, named):
@@ -61,8 +61,8 @@ def test_startup_validated_args_pass_once_and_late_resolvable_flags_resolve():
 
 
 def test_the_init_hook_refuses_before_patching_anything():
-    with pytest.raises(ValueError, match="--use-tis"):
-        patching.install(plain_slime_args(use_tis=True))
+    with pytest.raises(ValueError, match="--tis-clip-low"):
+        patching.install(plain_slime_args(use_tis=True, tis_clip_low=3.0))
     assert patching.installed() == {}
 
 

@@ -9,7 +9,8 @@ for the policy loss (PPO with dual clip, CISPO, REINFORCE; entropy bonus; KL ter
 --loss-aggregation mode; top-p replay) and the SFC loss (K = 8, carried centering weights), at tp
 = 1, 2 x cp = 1, 2, sequence parallel on and off, untied and tied, and on a cp rank that holds no
 response token. Each rank also reports which path its log named: one-pass, or the recompute path
-under allgather context parallelism.
+under allgather context parallelism and for slime's corrections that need the whole micro-batch
+(GSPO, OPSM, a TIS function).
 """
 
 import pytest
@@ -107,8 +108,8 @@ def _rank_paths(info, case, full_hidden, full_weight, samples, extras):
         CLOCK.push_steps, CLOCK.steps_started = saved
 
 
-def _policy(tp, cp, sp=False, allgather=False, top_p=False, lengths=None, **args):
-    return dict(loss=POLICY, tp=tp, cp=cp, sp=sp, allgather=allgather, top_p=top_p, lengths=lengths, args=args)
+def _policy(tp, cp, sp=False, allgather=False, top_p=False, lengths=None, path=None, **args):
+    return dict(loss=POLICY, tp=tp, cp=cp, sp=sp, allgather=allgather, top_p=top_p, lengths=lengths, args=args, path=path)
 
 
 def _sfc(tp, cp, agg, sp=False, allgather=False):
@@ -134,6 +135,12 @@ CASES = {
     "ppo_kl_metric_only_tp2_cp2_sp": _policy(2, 2, sp=True, use_kl_loss=True, kl_loss_coef=0.0, kl_loss_type="k2"),
     "empty_cp_rank": _policy(1, 2, lengths=([4, 4, 4], [1, 1, 1]), entropy_coef=0.01, **KL),
     "allgather_cp2_recompute_path": _policy(1, 2, allgather=True, entropy_coef=0.01, **KL),
+    # slime's corrections need the whole micro-batch's log-probs first: the recompute path serves them
+    "gspo_opsm_tis_rejection_tp2_cp2_recompute_path": _policy(
+        2, 2, path="recompute path (--advantage-estimator gspo", advantage_estimator="gspo", use_opsm=True,
+        opsm_delta=3.0, use_tis=True, custom_tis_function_path="slime_harness.reject_outside_tis_band", tis_clip=1.05,
+        tis_clip_low=0.95, entropy_coef=0.01,
+    ),
     "sfc_k8_sample_mean": _sfc(1, 1, "sample-mean"),
     "sfc_k8_token_mean_tp2_cp2_sp": _sfc(2, 2, "token-mean", sp=True),
 }
@@ -152,7 +159,7 @@ def test_one_pass_matches_the_unfused_output_layer(name):
         draws, versions = make_draws(SEED, samples, 8)
         weights = [torch.softmax(torch.randn(r, 8, generator=gen), -1) for r in responses]
         extras = (draws, versions, weights)
-    expected_path = "recompute path (allgather" if case["allgather"] else "one-pass path"
+    expected_path = case.get("path") or ("recompute path (allgather" if case["allgather"] else "one-pass path")
     loss_name = "sfc_loss" if case["loss"] == SFC else "policy_loss"
     gradient_mass = 0.0
     rank_results = get_pool(case["tp"], case["cp"]).run(_rank_paths, case, full_hidden, full_weight, samples, extras)

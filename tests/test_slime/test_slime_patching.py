@@ -199,10 +199,13 @@ def _slime_parse_args(add_custom_arguments=None):
         ("--custom-pg-loss-reducer-function-path", None), ("--kl-loss-type", "k1"),
     ):
         parser.add_argument(flag, default=default)
-    for flag, default in (("--eps-clip-c", None), ("--rollout-top-p", 1.0), ("--entropy-coef", 0.0), ("--rollout-temperature", 1.0)):
+    for flag, default in (
+        ("--eps-clip-c", None), ("--rollout-top-p", 1.0), ("--entropy-coef", 0.0), ("--rollout-temperature", 1.0),
+        ("--tis-clip", 2.0), ("--tis-clip-low", 0.0), ("--opsm-delta", 1e-4),
+    ):
         parser.add_argument(flag, type=float, default=default)
     parser.add_argument("--rollout-top-k", type=int, default=-1)
-    for flag in ("--calculate-per-token-loss", "--use-kl-loss", "--use-tis"):
+    for flag in ("--calculate-per-token-loss", "--use-kl-loss", "--use-tis", "--use-opsm"):
         parser.add_argument(flag, action="store_true")
     if add_custom_arguments is not None:
         parser = add_custom_arguments(parser)
@@ -257,8 +260,8 @@ def test_entry_point_keeps_a_user_init_hook(slime_entry):
     [
         (("--loss-aggregation", "constant"), "--loss-aggregation-divisor"),
         (("--loss-aggregation", "constant", "--loss-aggregation-divisor", "0"), "--loss-aggregation-divisor"),
-        (FUSED_LOSS + ("--use-tis",), "--use-tis"),
-        (FUSED_LOSS + ("--advantage-estimator", "gspo"), "--advantage-estimator gspo"),
+        (FUSED_LOSS + ("--use-tis", "--tis-clip-low", "3"), "--tis-clip-low"),
+        (FUSED_LOSS + ("--use-opsm", "--opsm-delta", "nan"), "--opsm-delta"),
         (FUSED_LOSS + ("--eps-clip-c", "0.5"), "--eps-clip-c"),
         (FUSED_LOSS + ("--custom-pg-loss-reducer-function-path", "my.reducer"), "--custom-pg-loss-reducer-function-path"),
     ],

@@ -23,6 +23,7 @@ import torch
 from bench_package import import_bench
 from distributed import run_on_ranks
 from numerics import FLOOR, rel_err
+from slime_float64 import Float64LogProbs
 
 import_bench()
 from bench.slime_loop import upstream_slime  # noqa: E402
@@ -176,33 +177,6 @@ def train_micro_batches(args, rollout_data, weight_shard):
     return results, weight_shard.grad
 
 
-def float64_log_probs_and_entropy(
-    logits, tokens, tp_group, with_entropy=False, chunk_size=-1, log_prob_keep_mask=None, with_entropy_grad=True
-):
-    """slime's `calculate_log_probs_and_entropy` contract ([T, 1] log-probs, [T] entropy over the
-    tensor-parallel vocabulary) in float64, by fusedrl's float64 eager reference (slime's own
-    function computes in float32 whatever its input)."""
-    from fusedrl.kernels import token_logprobs_reference
-
-    assert log_prob_keep_mask is None  # no top-p replay in these runs
-    return token_logprobs_reference(logits.double(), tokens.view(-1, 1), with_entropy=with_entropy, tp_group=tp_group)
-
-
-class Float64LogProbs:
-    """The float64 log-prob function in place of slime's, in slime's loss module."""
-
-    def __enter__(self):
-        from slime.backends.megatron_utils import loss
-
-        self.original = loss.calculate_log_probs_and_entropy
-        loss.calculate_log_probs_and_entropy = float64_log_probs_and_entropy
-
-    def __exit__(self, *exc):
-        from slime.backends.megatron_utils import loss
-
-        loss.calculate_log_probs_and_entropy = self.original
-
-
 class Case(NamedTuple):
     """One configuration: parallel sizes (dp = world / (tp * cp)), slime + fusedrl flags, seed,
     the denominators the truth's sample-mean reducer uses to weigh pg_loss as the case's mode
@@ -273,11 +247,6 @@ AB_CASE = Case("ab-sample_mean-tp2-cp2-dp1", 2, 2, AB_ARGV, 26)
 # train.py (its parser, no fusedrl flags) and --custom-loss-function-path (or its module alias).
 ALIAS_LOSS = ["--loss-type", "custom_loss", "--custom-loss-function-path", "fusedrl.slime_ext.losses.policy.policy_loss"]
 UNSUPPORTED = {
-    "use-tis": CUSTOM_LOSS + ["--use-tis"],
-    "use-opsm": CUSTOM_LOSS + ["--use-opsm"],
-    "get-mismatch-metrics": ALIAS_LOSS
-    + ["--get-mismatch-metrics", "--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"],
-    "advantage-estimator": ALIAS_LOSS + ["--advantage-estimator", "gspo"],
     "custom-pg-loss-reducer-function-path": CUSTOM_LOSS
     + ["--custom-pg-loss-reducer-function-path", "fusedrl.slime_ext.aggregation.get_pg_loss_reducer"],
     # slime's parser drops the package's flags: the loss refuses rather than run as sample_mean / PPO
