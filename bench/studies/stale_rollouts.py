@@ -173,7 +173,10 @@ class Study:
                 return
             with self.lock:
                 record = self.store.save(config, observations, concurrent=len(self.engines))
-                progress.finished(f"{name}: reward over its last steps {report.late_reward(record):.3f}")
+                # the progress line's own seconds are since the last run ended (two runs overlap)
+                progress.finished(
+                    f"{name} ({record['seconds']} s): reward over its last steps {report.late_reward(record):.3f}"
+                )
 
 
 def parse(argv=None):
