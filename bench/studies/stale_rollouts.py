@@ -19,7 +19,8 @@ steps), 32 samples a step, K = 4, beta0 = 0.3. The study, in this order:
   described run's one shared rate; SHARED_RATE), at every lag of `--lags` (0, 4, 8: at lag 8 tokens
   are up to 143 steps old) over `--seeds` seeds, lag by lag;
 - then, unless --no-extra, EXTRA_ARMS over the seeds: lag 16 for SFC + KL and PPO + TIS, PPO-clip
-  without TIS at lags 4 and 8 (what TIS buys), icepop at lag 8 (at PPO + TIS's rate).
+  without TIS at lags 4 and 8 (what TIS buys), icepop at lag 8 (at PPO + TIS's rate); the arms of
+  each of those three groups seed by seed side by side (EXTRA_GROUPS).
 It prints a progress line per run with the time left.
 
 `--workers N` runs N runs at once, each pinned to a core of its own with its own SGLang server and
@@ -59,8 +60,14 @@ QUICK_DIR = ROOT / "bench" / "results" / "stale_rollouts_quick"  # --quick's run
 METHODS = loop.METHODS
 GRID_METHODS = ("reinforce", "sfc", "ppo_tis")  # each at the best rate of its own grid
 SHARED_RATE = {"reinforce": "sfc"}  # also run at that method's rate: the described run's one rate for both
-# (method, lag) after the main arms, each at the rate of RATE_OF's method (else its own)
-EXTRA_ARMS = (("sfc", 16), ("ppo_tis", 16), ("ppo", 4), ("ppo", 8), ("icepop", 8))
+# (method, lag) after the main arms, each at the rate of RATE_OF's method (else its own), group by
+# group, a group's arms seed by seed side by side (a study cut short leaves comparable arms)
+EXTRA_GROUPS = (
+    (("sfc", 16), ("ppo_tis", 16)),  # far staler: the ratio-free loss against TIS's clipped weights
+    (("ppo", 4), ("ppo", 8)),  # PPO-clip without TIS: what TIS buys
+    (("icepop", 8),),
+)
+EXTRA_ARMS = tuple(arm for group in EXTRA_GROUPS for arm in group)
 RATE_OF = {"ppo": "ppo_tis", "icepop": "ppo_tis"}
 LR_GRID = (3e-4, 1e-3, 3e-3)  # brackets the pilot's REINFORCE at 1e-3 (0.35 after 320 steps; 3e-3 stalled)
 LAGS = (0, 4, 8)
@@ -85,10 +92,11 @@ def study_configs(options) -> tuple:
             replace(base, method=method, lr=rates[rate_of], lag=lag, seed=seed)
             for lag in options.lags for seed in range(options.seeds) for method, rate_of in arms if rate_of in rates
         ]  # fmt: skip
-        extras = [(method, lag) for method, lag in EXTRA_ARMS if extra and options.extra and RATE_OF.get(method, method) in rates]
         configs += [
             replace(base, method=method, lr=rates[RATE_OF.get(method, method)], lag=lag, seed=seed)
-            for method, lag in extras for seed in range(options.seeds)
+            for group in (EXTRA_GROUPS if extra and options.extra else ())
+            for seed in range(options.seeds)
+            for method, lag in group if RATE_OF.get(method, method) in rates
         ]  # fmt: skip
         return configs
 
@@ -173,7 +181,10 @@ class Study:
                 return
             with self.lock:
                 record = self.store.save(config, observations, concurrent=len(self.engines))
-                progress.finished(f"{name}: reward over its last steps {report.late_reward(record):.3f}")
+                # the progress line's own seconds are since the last run ended (two runs overlap)
+                progress.finished(
+                    f"{name} ({record['seconds']} s): reward over its last steps {report.late_reward(record):.3f}"
+                )
 
 
 def parse(argv=None):

@@ -289,7 +289,13 @@ def test_reinforce_also_runs_at_sfcs_rate_and_the_extra_arms_at_their_methods_ra
     assert not {("reinforce", 3e-3, 0), ("sfc", 3e-4, 0)} & arms
     # lag by lag, the main arms before the extra ones
     assert [c.lag for c in configs[: 4 * SEEDS * len(LAGS)]] == sorted(c.lag for c in configs[: 4 * SEEDS * len(LAGS)])
-    assert all((c.method, c.lag) in stale_rollouts.EXTRA_ARMS for c in configs[4 * SEEDS * len(LAGS) :])
+    extras = [(c.method, c.lag, c.seed) for c in configs[4 * SEEDS * len(LAGS) :]]
+    # group by group, each group's arms seed by seed side by side
+    assert extras == [
+        (method, lag, seed)
+        for group in stale_rollouts.EXTRA_GROUPS for seed in range(SEEDS) for method, lag in group
+    ]  # fmt: skip
+    assert extras[:4] == [("sfc", 16, 0), ("ppo_tis", 16, 0), ("sfc", 16, 1), ("ppo_tis", 16, 1)]
     _, without = stale_rollouts.study_configs(options("--no-extra"))
     assert len(without({"reinforce": 3e-4, "sfc": 1e-3, "ppo_tis": 3e-3})) == 4 * SEEDS * len(LAGS)
     assert len(main({"sfc": 1e-3})) == (2 * len(LAGS) + 1) * SEEDS  # only the arms at the rates known
