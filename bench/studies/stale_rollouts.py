@@ -233,7 +233,7 @@ def parse(argv=None):
 
 def default_workers() -> int:
     """Runs at once by default: two where this process may use two cores or more, which on the
-    2-core machine finished 1.8 times the runs per hour of one at a time under the same load
+    2-core machine finished 1.8 times the runs per hour of one at a time, quiet and under load
     (docs/results.md); more are untested."""
     return min(2, len(os.sched_getaffinity(0)))
 
