@@ -5,9 +5,11 @@
 #
 # sets $venv to LEG_VENV (default: a fresh temporary folder's venv), makes it and runs
 # INSTALL_FUNCTION PYTHON there unless an earlier call did (the marker file .deps-installed), then
-# installs fusedrl from this checkout (--no-deps -e .). With LEG_STEP=deps it stops the leg after
-# the dependencies: .ci/run does that for every leg on the second core while its own install runs
-# on the first, and builds nothing in the checkout then (the editable install does).
+# installs fusedrl (--no-deps) from a copy of this checkout's files beside the venv (tracked and
+# untracked, not the ignored ones): its build writes only into the copy, never into the checkout,
+# so a leg can install and run on the second core while the main environment's editable install
+# builds in the checkout on the first (.ci/run). With LEG_STEP=deps it stops after the
+# dependencies (.ci/run installs every leg's first, then runs them).
 leg_venv() {
     local install=$1
     venv="${LEG_VENV:-$(mktemp -d)/venv}"
@@ -19,5 +21,9 @@ leg_venv() {
     if [[ "${LEG_STEP:-}" == deps ]]; then
         exit 0
     fi
-    "$venv/bin/python" -m pip install -q --no-deps -e .
+    local copy
+    copy="$(dirname "$venv")/fusedrl-src"
+    rm -rf "$copy" && mkdir -p "$copy"
+    git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -cf - | tar -xf - -C "$copy"
+    "$venv/bin/python" -m pip install -q --no-deps "$copy"
 }

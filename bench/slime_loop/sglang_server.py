@@ -50,6 +50,9 @@ PROMPT = [11, 402, 77, 981, 5, 630]
 ENABLED_LINE = "fusedrl token samples enabled in process {pid} "
 START_TIMEOUT_S = 420.0
 REQUEST_TIMEOUT_S = 120.0
+# A stopped server's grace before SIGKILL: one that honours SIGTERM exits within about a second; one
+# with extra tokenizer workers (uvicorn's supervisor) never does, and a longer grace only waits.
+STOP_GRACE_S = 5.0
 
 # The cu* functions sglang-kernel 0.4.10's libraries link (`nm -D --undefined-only` on
 # sgl_kernel/*.so and sgl_kernel/sm*/common_ops*.so), plus the entry points the CUDA runtime
@@ -317,7 +320,7 @@ class Server:
         """SIGTERM to the process group this server leads, SIGKILL if it lingers."""
         if self.process.poll() is None:
             group = self.process.pid  # start_new_session: the group id is the leader's PID
-            for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10)):
                 try:
                     os.killpg(group, sig)
                 except ProcessLookupError:
