@@ -16,8 +16,12 @@ when one chunk holds every selected row (the default chunk does up to 768 rows),
 writes it once in the weight's dtype, from sums that stay in fp32 inside the GEMM, and no buffer
 but the returned gradient exists; with several chunks it is summed over them in a per-call fp32
 `[V_local, H]` buffer (the price of three GEMMs: without it each chunk's sum would be rounded to the
-layer's dtype; for fp32 weights the buffer is the returned gradient). Where that buffer does not fit,
-`linear_token_stats` walks the vocabulary instead (four GEMMs, no `[V_local, H]` sum). With
+layer's dtype; for fp32 weights the buffer is the returned gradient). A bf16/fp16 layer's buffer
+comes on top of the returned gradient, and it is bounded: above `weight_buffer_budget` bytes (1 GiB
+by default: 2.3 GiB at H = 4096, V_local = 151936) the call walks the vocabulary instead, as
+`linear_token_stats` does, in its forward: every selected row's statistics slice by slice, the loss
+on all of them, then the slices again for the gradients (four GEMMs, each slice of the weight
+gradient written once in the layer's dtype, no `[V_local, H]` sum). With
 `main_grad` (megatron-core's fp32 `param.main_grad`) and `grad_scale` (the gradient the caller's
 schedule will send into the loss: 1 / num_microbatches, times the loss scale if any), it goes
 straight into `main_grad`, already scaled, with no buffer. That bets on the incoming gradient, so
@@ -55,13 +59,18 @@ import torch.distributed as dist
 from ._contract import TokenStats, values_readable
 from ._dispatch import uses_triton
 from ._tp import TensorParallel
-from .linear_token_stats import ChunkedLogits, check_head_inputs, device_chunk_rows
+from .linear_token_stats import (
+    ChunkedLogits, VocabularySlices, check_head_inputs, check_main_grad, device_chunk_rows, row_grads_sum, scatter_rows,
+)  # fmt: skip
 from .reference import token_stats_reference
 from .token_stats import all_rank_partials, combine_partials, logits_grad, row_partials
 
 # How far the incoming gradient may sit from grad_scale: a few fp32 roundings of the schedule's
 # product (1 / num_microbatches times a loss scale), far below any real mismatch.
 SCALE_TOLERANCE = 2.0**-20
+# The most bytes a call's fp32 [V_local, H] weight-gradient sum over chunks may take beside a bf16 or
+# fp16 layer's returned gradient; above it the call walks the vocabulary (module docstring).
+WEIGHT_BUFFER_BUDGET = 1 << 30
 
 
 class LinearTokenLoss(NamedTuple):
@@ -102,11 +111,14 @@ class _Head:
     main_grad: Optional[torch.Tensor]
     grad_scale: Optional[float]
     kernels: bool  # the Triton kernels (GPU or interpreter); False: the float64 eager reference per chunk
+    weight_buffer_budget: Optional[int]  # None: no bound
 
     def run(self, wants_hidden: bool, wants_weight: bool):
         """(loss, stats, gradients): every chunk's statistics and loss terms, and, for what is
         wanted, d hidden (scaled by grad_scale when given) and d weight (into main_grad; written by
         the GEMM of a single chunk; or summed over chunks in a fresh fp32 buffer)."""
+        if wants_weight and self._walks_vocabulary():
+            return self._walk(wants_hidden)
         num_selected, num_ids = self.ids.shape
         per_id = dict(dtype=torch.float32, device=self.hidden.device)
         logp, scores = torch.empty((num_selected, num_ids), **per_id), torch.empty((num_selected, num_ids), **per_id)
@@ -120,6 +132,7 @@ class _Head:
         )  # fmt: skip
         step = self._kernel_step if self.kernels else self._eager_step
         total = torch.zeros((), dtype=torch.float64, device=self.hidden.device)
+        written = False
         for slots, rows_in, logits in chunks:
             stats, loss, grad_logits = step(logits, slots, wants_hidden or wants_weight)
             logp[slots], scores[slots] = stats.logp, stats.scores
@@ -128,7 +141,42 @@ class _Head:
             total += loss.double()
             if grad_logits is not None:
                 chunks.add_layer_grads(slots, rows_in, grad_logits, grads.hidden, grads.weight, sum_weight)
+                written = True
+        if grads.weight is not None and not (sum_weight or written):
+            grads.weight.zero_()  # a loss that does not use the statistics: no GEMM wrote it
         return total.float(), TokenStats(logp, entropy, scores), grads
+
+    def _walks_vocabulary(self) -> bool:
+        """Whether the weight gradient would be summed over several chunks in an fp32 buffer beside
+        a bf16/fp16 layer's returned gradient, above the budget (module docstring)."""
+        num_selected = self.ids.shape[0]
+        return (
+            self.kernels and self.main_grad is None and self.weight.dtype != torch.float32
+            and self.weight_buffer_budget is not None and self.chunk_rows < num_selected
+            and 4 * self.weight.numel() > self.weight_buffer_budget
+        )  # fmt: skip
+
+    def _walk(self, wants_hidden: bool):
+        """`run` by `linear_token_stats`' vocabulary walk (four GEMMs): every selected row's
+        statistics slice by slice, one collective, the loss on all rows at once, then the slices
+        again for d hidden (summed in fp32) and d weight (each slice written once, weight's dtype)."""
+        num_selected = self.ids.shape[0]
+        slices = VocabularySlices(self.hidden, self.weight, self.rows, num_selected, self.chunk_rows)
+        partials = slices.partials(self.ids, self.vocab_start, self.temperature, self.with_entropy)
+        row = combine_partials(all_rank_partials(partials, self.tp), self.temperature)
+        leaves = TokenStats(row.logp.requires_grad_(), row.entropy.requires_grad_() if self.with_entropy else None,
+                            row.scores.requires_grad_())  # fmt: skip
+        inputs = [leaves.logp, leaves.scores] + ([leaves.entropy] if self.with_entropy else [])
+        loss, coefficients = self._loss_and_grads(leaves, slice(0, num_selected), inputs, True)
+        stats = TokenStats(*(None if t is None else t.detach() for t in leaves))
+        row_grads = row_grads_sum(self.hidden, self.rows, num_selected) if wants_hidden else None
+        grad_weight = torch.zeros_like(self.weight)
+        if coefficients is not None:
+            logp_grad, scores_grad, *entropy_grad = coefficients
+            slices.backward(self.ids, row.softmax_state, (logp_grad, next(iter(entropy_grad), None), scores_grad),
+                            self.vocab_start, self.temperature, row_grads, grad_weight, None)  # fmt: skip
+        hidden = scatter_rows(row_grads, self.hidden, self.rows) if wants_hidden else None
+        return loss.float(), stats, _Gradients(hidden, grad_weight)
 
     def _kernel_step(self, logits, slots, wants_grad):
         """A chunk through the token-statistics kernels: partials, the chunk's collective, the
@@ -238,17 +286,8 @@ def _check_main_grad(main_grad, grad_scale, weight) -> Optional[float]:
         or grad_scale == 0
     ):  # fmt: skip
         raise ValueError(f"grad_scale must be a finite nonzero number, got {grad_scale!r}")
-    if main_grad is None:
-        return None if grad_scale is None else float(grad_scale)
-    if not isinstance(main_grad, torch.Tensor):
-        raise ValueError(f"main_grad must be a torch.Tensor, got {type(main_grad).__name__}")
-    if main_grad.dtype != torch.float32:
-        raise ValueError(f"main_grad must be float32 (megatron-core's main_grad), got {main_grad.dtype}")
-    if main_grad.shape != weight.shape:
-        raise ValueError(f"main_grad must have weight's shape {tuple(weight.shape)}, got {tuple(main_grad.shape)}")
-    if main_grad.device != weight.device:
-        raise ValueError(f"main_grad is on {main_grad.device} but weight on {weight.device}")
-    return float(grad_scale)
+    check_main_grad(main_grad, weight)
+    return None if grad_scale is None else float(grad_scale)
 
 
 def _check_fp16_scale(hidden, grad_scale) -> None:
@@ -285,6 +324,7 @@ def linear_token_loss(
     chunk_rows=None,
     main_grad=None,
     grad_scale=None,
+    weight_buffer_budget=WEIGHT_BUFFER_BUDGET,
     validate=True,
 ) -> LinearTokenLoss:
     """`row_loss` of `token_stats(hidden @ weight.T, ids, ...)`, its gradient made chunk by chunk in the
@@ -307,6 +347,9 @@ def linear_token_loss(
         alone (a finite nonzero number, the incoming gradient expected) forms both gradients at that
         scale, and the backward rescales them by incoming / grad_scale (fp16: no flush to zero;
         in fp16 a call that wants a gradient must pass grad_scale, a ValueError otherwise).
+    weight_buffer_budget: the most bytes (an int >= 0, or None: no bound) the fp32 [V_local, H] sum
+        of a bf16/fp16 weight gradient over several chunks may take; above it the call walks the
+        vocabulary, four GEMMs and no such sum (module docstring). Default 1 GiB.
 
     Returns `LinearTokenLoss(loss, stats)`: the 0-d float32 loss, differentiable with respect to
     hidden and weight, and the same forward's statistics, detached. Without grad mode, or when
@@ -318,6 +361,8 @@ def linear_token_loss(
     if not callable(row_loss):
         raise ValueError(f"row_loss must be a callable (stats, slots) -> 0-d tensor, got {type(row_loss).__name__}")
     grad_scale = _check_main_grad(main_grad, grad_scale, weight)
+    if weight_buffer_budget is not None and (type(weight_buffer_budget) is not int or weight_buffer_budget < 0):
+        raise ValueError(f"weight_buffer_budget must be an int >= 0 (bytes) or None, got {weight_buffer_budget!r}")
     if not values_readable(hidden, weight, inputs.ids):
         raise ValueError(
             "linear_token_loss needs tensors with values (it runs row_loss, a Python callable, on each chunk's "
@@ -330,7 +375,7 @@ def linear_token_loss(
             chunk_rows = _agreed_chunk_rows(chunk_rows, tp, hidden.device)
     rows = None if inputs.rows is None else inputs.rows.contiguous()
     head = _Head(hidden, weight, inputs.ids.contiguous(), rows, row_loss, inputs.temperature, bool(with_entropy), tp,
-                 inputs.vocab_start, chunk_rows, main_grad, grad_scale, kernels)  # fmt: skip
+                 inputs.vocab_start, chunk_rows, main_grad, grad_scale, kernels, weight_buffer_budget)  # fmt: skip
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         loss, stats, _ = head.run(wants_hidden=False, wants_weight=False)
         return LinearTokenLoss(loss, stats)

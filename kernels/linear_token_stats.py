@@ -21,6 +21,11 @@ the weight's dtype from sums that stay in fp32 inside the GEMM. What is summed o
 hidden-state gradient, in fp32 `[N, H]`, small next to `[V_local, H]`. Rows not selected by `rows`
 are never multiplied (they are gathered once, `[N, H]`, when `rows` is given).
 
+Given megatron-core's fp32 `main_grad` of the weight (its gradient-accumulation fusion), each slice
+of the weight gradient is added into the matching rows of `main_grad` instead, from the same fp32
+sums, and the weight gets no `.grad`: no tensor the weight's size is made at all. The backward's
+incoming gradient is known there, so unlike the one pass (`linear_token_loss`) no scale is needed.
+
 Tensor parallelism: `weight` is this rank's vocabulary shard, as in megatron-core's
 `ColumnParallelLinear`, and so is the returned hidden-state gradient: this rank's partial sum over
 its own columns. Reducing it across the group is the caller's job, done the way megatron does it:
@@ -108,6 +113,36 @@ def check_head_inputs(hidden, weight, ids, temperature, tp_group, rows, chunk_ro
         _logits_stand_in(hidden, weight), ids, temperature, rows, tp.size, tp.rank, validate, KERNEL_DTYPES
     )
     return tp, inputs
+
+
+def check_main_grad(main_grad, weight) -> None:
+    """main_grad, when given: an fp32 tensor of weight's shape on weight's device (megatron-core's
+    `param.main_grad`), that the weight gradient is added into."""
+    if main_grad is None:
+        return
+    if not isinstance(main_grad, torch.Tensor):
+        raise ValueError(f"main_grad must be a torch.Tensor, got {type(main_grad).__name__}")
+    if main_grad.dtype != torch.float32:
+        raise ValueError(f"main_grad must be float32 (megatron-core's main_grad), got {main_grad.dtype}")
+    if main_grad.shape != weight.shape:
+        raise ValueError(f"main_grad must have weight's shape {tuple(weight.shape)}, got {tuple(main_grad.shape)}")
+    if main_grad.device != weight.device:
+        raise ValueError(f"main_grad is on {main_grad.device} but weight on {weight.device}")
+
+
+class _GradIntoMainGrad(torch.autograd.Function):
+    """The weight as is in the forward; its gradient added into `main_grad` (fp32) in the backward
+    instead of becoming `.grad`: the unfused path's way to honour `main_grad`."""
+
+    @staticmethod
+    def forward(ctx, weight, main_grad):
+        ctx.main_grad = main_grad
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.main_grad.add_(grad.float())
+        return None, None
 
 
 def _check_layer(hidden, weight, chunk_rows) -> None:
@@ -236,12 +271,32 @@ class VocabularySlices:
             logits = self.buffer[: num_selected * block.shape[0]].view(num_selected, block.shape[0])
             yield start, block, torch.mm(self.selected, block.t(), out=logits)
 
-    def layer_grads(self, start, block, grad_logits, row_grads, grad_weight) -> None:
+    def partials(self, ids, vocab_start, temperature, with_entropy) -> torch.Tensor:
+        """This rank's [N, P] token-statistics partials: each slice's, taken as a shard starting at
+        its first column, merged (the forward's walk; the collective is the caller's)."""
+        return merge_partials(torch.stack([
+            row_partials(logits, ids, None, vocab_start + start, temperature, with_entropy)
+            for start, _, logits in self
+        ]), temperature)  # fmt: skip
+
+    def backward(self, ids, softmax_state, coefficients, vocab_start, temperature, row_grads, grad_weight, main_grad):
+        """The backward's walk: each slice's logits recomputed (the forward's GEMMs, the same bits),
+        turned into their gradient in place from the saved softmax state and the per-row
+        coefficients (logp_grad, entropy_grad, scores_grad; None: zero), then `layer_grads`."""
+        for start, block, logits in self:
+            grad_logits = logits_grad(logits, logits, ids, None, softmax_state, *coefficients, vocab_start + start,
+                                      temperature)  # fmt: skip
+            self.layer_grads(start, block, grad_logits, row_grads, grad_weight, main_grad)
+
+    def layer_grads(self, start, block, grad_logits, row_grads, grad_weight, main_grad) -> None:
         """grad_weight[the slice] = grad_logits^T @ selected rows (written once, in grad_weight's
-        dtype, from the GEMM's fp32 sums) and row_grads += grad_logits @ block in fp32; a None
-        gradient is not wanted."""
-        if grad_weight is not None:
-            torch.mm(grad_logits.t(), self.selected, out=grad_weight[start : start + block.shape[0]])
+        dtype, from the GEMM's fp32 sums), or main_grad[the slice] += that product in fp32, and
+        row_grads += grad_logits @ block in fp32; a None gradient is not wanted."""
+        columns = slice(start, start + block.shape[0])
+        if main_grad is not None:
+            add_product_fp32(main_grad[columns], grad_logits.t(), self.selected)
+        elif grad_weight is not None:
+            torch.mm(grad_logits.t(), self.selected, out=grad_weight[columns])
         if row_grads is not None:
             add_product_fp32(row_grads, grad_logits, block)
 
@@ -257,26 +312,25 @@ def linear_token_stats_op(
     vocab_start: int,
     tp_group_name: Optional[str],
     chunk_rows: int,
+    main_grad: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward as a torch op, opaque to torch.compile: (logp, entropy, scores, softmax_state), as
-    `fusedrl::token_stats` (the group travels by name, the collective runs inside). It walks the
+    `fusedrl::token_stats` (the group travels by name, the collective runs inside); `main_grad` is
+    only carried to the backward, which adds the weight gradient into it. It walks the
     vocabulary slices the backward walks, so the backward recomputes bit for bit the logits the
     saved softmax state was taken from (a GEMM of another shape may round them otherwise, and at
     |logits| / T in the hundreds the gradient's 1 - p cancels that difference up to 1e-4)."""
     slices = VocabularySlices(hidden, weight, rows, ids.shape[0], chunk_rows)
-    partials = torch.stack([
-        row_partials(logits, ids, None, vocab_start + start, temperature, with_entropy)
-        for start, _, logits in slices
-    ])  # fmt: skip
-    return op_outputs(merge_partials(partials, temperature), tp_group_name, temperature)
+    return op_outputs(slices.partials(ids, vocab_start, temperature, with_entropy), tp_group_name, temperature)
 
 
 @linear_token_stats_op.register_fake
-def _linear_token_stats_fake(hidden, weight, ids, rows, temperature, with_entropy, vocab_start, tp_group_name, chunk_rows):
+def _linear_token_stats_fake(hidden, weight, ids, rows, temperature, with_entropy, vocab_start, tp_group_name, chunk_rows,
+                             main_grad):  # fmt: skip
     return op_outputs_fake(ids)
 
 
-@torch.library.custom_op("fusedrl::linear_token_stats_backward", mutates_args=())
+@torch.library.custom_op("fusedrl::linear_token_stats_backward", mutates_args=("main_grad",))
 def linear_token_stats_backward_op(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -291,23 +345,24 @@ def linear_token_stats_backward_op(
     chunk_rows: int,
     wants_hidden: bool,
     wants_weight: bool,
+    main_grad: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d hidden, d weight) with the logits recomputed one vocabulary slice at a time, every
     selected row at once (module docstring); a gradient not wanted is an empty tensor (an op
-    returns no None). A None output gradient is zero (entropy_grad None: no entropy term)."""
-    grad_weight = weight.new_empty(weight.shape if wants_weight else (0,))
-    row_grads = _row_grads(hidden, rows, ids.shape[0]) if wants_hidden else None
+    returns no None), and so is d weight when it goes into `main_grad` (added in place). A None
+    output gradient is zero (entropy_grad None: no entropy term)."""
+    into_main_grad = main_grad if wants_weight else None
+    grad_weight = weight.new_empty(weight.shape if wants_weight and main_grad is None else (0,))
+    row_grads = row_grads_sum(hidden, rows, ids.shape[0]) if wants_hidden else None
     slices = VocabularySlices(hidden, weight, rows, ids.shape[0], chunk_rows)
-    for start, block, logits in slices:
-        grad_logits = logits_grad(logits, logits, ids, None, softmax_state, logp_grad, entropy_grad, scores_grad,
-                                  vocab_start + start, temperature)  # fmt: skip
-        slices.layer_grads(start, block, grad_logits, row_grads, grad_weight if wants_weight else None)
+    slices.backward(ids, softmax_state, (logp_grad, entropy_grad, scores_grad), vocab_start, temperature, row_grads,
+                    grad_weight if wants_weight else None, into_main_grad)  # fmt: skip
     if not wants_hidden:
         return hidden.new_empty((0,)), grad_weight
-    return _scatter_rows(row_grads, hidden, rows), grad_weight
+    return scatter_rows(row_grads, hidden, rows), grad_weight
 
 
-def _row_grads(hidden, rows, num_selected) -> torch.Tensor:
+def row_grads_sum(hidden, rows, num_selected) -> torch.Tensor:
     """The selected rows' hidden-state gradient, summed over vocabulary slices in fp32 (zeros):
     for fp32 layers without `rows`, the returned gradient itself."""
     if rows is None and hidden.dtype == torch.float32:
@@ -315,7 +370,7 @@ def _row_grads(hidden, rows, num_selected) -> torch.Tensor:
     return torch.zeros((num_selected, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
 
 
-def _scatter_rows(row_grads, hidden, rows) -> torch.Tensor:
+def scatter_rows(row_grads, hidden, rows) -> torch.Tensor:
     """d hidden [T, H] in hidden's dtype: the selected rows' sums rounded once, zeros elsewhere."""
     if rows is None:
         return row_grads.to(hidden.dtype)
@@ -325,32 +380,32 @@ def _scatter_rows(row_grads, hidden, rows) -> torch.Tensor:
 
 @linear_token_stats_backward_op.register_fake
 def _linear_token_stats_backward_fake(hidden, weight, ids, rows, softmax_state, logp_grad, entropy_grad, scores_grad,
-                                      temperature, vocab_start, chunk_rows, wants_hidden, wants_weight):  # fmt: skip
+                                      temperature, vocab_start, chunk_rows, wants_hidden, wants_weight, main_grad):  # fmt: skip
     return (
         hidden.new_empty(hidden.shape if wants_hidden else (0,)),
-        weight.new_empty(weight.shape if wants_weight else (0,)),
+        weight.new_empty(weight.shape if wants_weight and main_grad is None else (0,)),
     )
 
 
 def _linear_token_stats_setup_context(ctx, inputs, output):
-    hidden, weight, ids, rows, temperature, with_entropy, vocab_start, _, chunk_rows = inputs
-    ctx.save_for_backward(hidden, weight, ids, rows, output[3])
+    hidden, weight, ids, rows, temperature, with_entropy, vocab_start, _, chunk_rows, main_grad = inputs
+    ctx.save_for_backward(hidden, weight, ids, rows, output[3], main_grad)
     ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not a zeros fill
     ctx.temperature, ctx.with_entropy, ctx.vocab_start, ctx.chunk_rows = temperature, with_entropy, vocab_start, chunk_rows
 
 
 def _linear_token_stats_backward(ctx, logp_grad, entropy_grad, scores_grad, state_grad):
     del state_grad  # an internal output, saved for this backward
-    hidden, weight, ids, rows, softmax_state = ctx.saved_tensors
+    hidden, weight, ids, rows, softmax_state, main_grad = ctx.saved_tensors
     wants_hidden, wants_weight = ctx.needs_input_grad[:2]
     grad_hidden, grad_weight = linear_token_stats_backward_op(
         hidden, weight, ids, rows, softmax_state, logp_grad, entropy_grad if ctx.with_entropy else None,
-        scores_grad, ctx.temperature, ctx.vocab_start, ctx.chunk_rows, wants_hidden, wants_weight,
+        scores_grad, ctx.temperature, ctx.vocab_start, ctx.chunk_rows, wants_hidden, wants_weight, main_grad,
     )  # fmt: skip
     return (
         grad_hidden if wants_hidden else None,
-        grad_weight if wants_weight else None,
-        None, None, None, None, None, None, None,
+        grad_weight if wants_weight and main_grad is None else None,
+        None, None, None, None, None, None, None, None,
     )  # fmt: skip
 
 
@@ -367,6 +422,7 @@ def linear_token_stats(
     tp_group=None,
     rows=None,
     chunk_rows=None,
+    main_grad=None,
     validate=True,
 ) -> TokenStats:
     """`token_stats(hidden @ weight.T, ids, ...)` without ever holding more than one chunk of logits.
@@ -378,6 +434,9 @@ def linear_token_stats(
         rows' logits are computed, and the other rows get a zero hidden-state gradient.
     chunk_rows: selected rows per chunk (the logits buffer holds chunk_rows x V_local); default
         `default_chunk_rows` of the selected rows, V_local and the free device memory.
+    main_grad: None, or an fp32 tensor of weight's shape (megatron-core's `weight.main_grad`): the
+        backward adds the weight gradient into it, slice by slice, and the weight gets no `.grad`
+        (the caller sets megatron's `grad_added_to_main_grad`, as its fused linear layers do).
 
     Returns `TokenStats(logp [N, J], entropy [N] or None, scores [N, J])`, float32, differentiable
     with respect to hidden and weight. Under tensor parallelism the hidden-state gradient is this
@@ -386,7 +445,10 @@ def linear_token_stats(
     logits, itself the float64 reference there).
     """
     tp, inputs = check_head_inputs(hidden, weight, ids, temperature, tp_group, rows, chunk_rows, validate)
+    check_main_grad(main_grad, weight)
     if not uses_triton(hidden, "linear_token_stats"):
+        if main_grad is not None and weight.requires_grad:
+            weight = _GradIntoMainGrad.apply(weight, main_grad)
         return token_stats(
             hidden @ weight.t(),
             ids,
@@ -398,5 +460,5 @@ def linear_token_stats(
         )
     if chunk_rows is None:
         chunk_rows = device_chunk_rows(hidden, weight, inputs.ids.shape[0])
-    outputs = linear_token_stats_op(hidden, weight, *op_arguments(inputs, with_entropy, tp), chunk_rows)
+    outputs = linear_token_stats_op(hidden, weight, *op_arguments(inputs, with_entropy, tp), chunk_rows, main_grad)
     return public_stats(outputs, with_entropy)

@@ -95,9 +95,9 @@ def projection_rows():
             chunk = default_chunk_rows(tokens, vocab, itemsize)
             c = cost(tokens, hidden, vocab, itemsize, chunk)
             for name, key in PATHS:
-                flops = c[f"{key}_flops"] if key != "one_pass_main_grad" else c["one_pass_flops"]
-                moved = c[f"{key}_bytes"]
-                yield dtype, tokens, chunk, name, dict(extra=c[f"{key}_extra"], flops=flops, moved=moved), c
+                flops, moved = c[f"{key}_flops"], c[f"{key}_bytes"]
+                label = f"{name} (walk)" if key == "one_pass" and c["one_pass_walks"] else name
+                yield dtype, tokens, chunk, label, dict(extra=c[f"{key}_extra"], flops=flops, moved=moved), c
 
 
 def format_projection() -> str:

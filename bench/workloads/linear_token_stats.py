@@ -218,7 +218,8 @@ def run_unfused(layer, workload):
 
 def cost(tokens, hidden, vocab, itemsize, chunk_rows) -> dict:
     """The cost model of the module docstring, fwd+bwd: GEMM flops, bytes moved, peak extra bytes."""
-    from fusedrl.kernels.linear_token_stats import slice_columns  # imports triton: after pick_device
+    from fusedrl.kernels.linear_token_loss import WEIGHT_BUFFER_BUDGET  # imports triton: after pick_device
+    from fusedrl.kernels.linear_token_stats import slice_columns
 
     chunks, slices = math.ceil(tokens / chunk_rows), math.ceil(vocab / slice_columns(tokens, vocab, chunk_rows))
     rows, weight, logits = tokens * hidden * itemsize, vocab * hidden * itemsize, tokens * vocab * itemsize
@@ -231,17 +232,23 @@ def cost(tokens, hidden, vocab, itemsize, chunk_rows) -> dict:
     summed = one_pass_common + 2 * chunks * accumulator
     chunk_extra = min(chunk_rows, tokens) * vocab * itemsize
     low_precision = itemsize < 4
+    fused_extra = chunk_extra + (row_sums if low_precision else 0)
+    # without main_grad, a low-precision one pass over several chunks whose fp32 sum exceeds the
+    # budget takes the vocabulary walk: the recompute path's GEMMs, bytes and memory
+    walks = low_precision and chunks > 1 and accumulator > WEIGHT_BUFFER_BUDGET
     return dict(
         unfused_flops=6 * tokens * vocab * hidden,
         fused_flops=8 * tokens * vocab * hidden,
-        one_pass_flops=6 * tokens * vocab * hidden,
+        one_pass_flops=(8 if walks else 6) * tokens * vocab * hidden,
+        one_pass_main_grad_flops=6 * tokens * vocab * hidden,
         unfused_bytes=unfused_bytes,
         fused_bytes=fused_bytes,
-        one_pass_bytes=one_pass_common + weight if chunks == 1 else summed,
+        one_pass_bytes=fused_bytes if walks else one_pass_common + weight if chunks == 1 else summed,
         one_pass_main_grad_bytes=summed,
         unfused_extra=2 * logits,
-        fused_extra=chunk_extra + (row_sums if low_precision else 0),
-        one_pass_extra=chunk_extra + (accumulator if low_precision and chunks > 1 else 0),
+        fused_extra=fused_extra,
+        one_pass_extra=fused_extra if walks else chunk_extra + (accumulator if low_precision and chunks > 1 else 0),
         one_pass_main_grad_extra=chunk_extra,  # main_grad is the trainer's, not the call's
         fused_chunk_extra=chunk_extra,
+        one_pass_walks=walks,
     )

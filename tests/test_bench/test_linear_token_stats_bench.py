@@ -58,6 +58,18 @@ def test_cost_model_terms():
     assert fp32["one_pass_extra"] == 250 * vocab * 4 and bf16["one_pass_extra"] == 250 * vocab * 2 + vocab * hidden * 4
     assert cost(tokens, hidden, vocab, 2, tokens)["one_pass_extra"] == tokens * vocab * 2  # one chunk: no sums
     assert bf16["one_pass_main_grad_extra"] == 250 * vocab * 2  # the chunk alone: no fp32 buffer of its own
+
+
+def test_cost_model_one_pass_walks_the_vocabulary_above_the_buffer_budget():
+    """At H = 4096, V/tp = 151936 the bf16 one pass's fp32 [V, H] sum (2.32 GiB) exceeds the 1 GiB
+    budget over several chunks: the recompute path's figures; not with one chunk, fp32 or main_grad."""
+    tokens, hidden, vocab = 16384, 4096, 151936
+    bf16, fp32 = cost(tokens, hidden, vocab, 2, 768), cost(tokens, hidden, vocab, 4, 768)
+    assert bf16["one_pass_walks"] and not fp32["one_pass_walks"]
+    for figure in ("flops", "bytes", "extra"):
+        assert bf16[f"one_pass_{figure}"] == bf16[f"fused_{figure}"]
+    assert bf16["one_pass_main_grad_flops"] == bf16["unfused_flops"] == fp32["one_pass_flops"]
+    assert not cost(tokens, hidden, vocab, 2, tokens)["one_pass_walks"]
     assert "not a measurement" in format_projection()
 
 

@@ -180,10 +180,15 @@ def _op_inputs(gen, device):
             token_stats_backward_op,
             (torch.empty_like(logits), logits.detach(), ids, rows, softmax_state, per_id, per_row, per_id, 0, 0.7),
         ),
-        "linear_token_stats": (linear_token_stats_op, (hidden, weight, ids, rows, 0.7, True, 0, None, 2)),
+        "linear_token_stats": (linear_token_stats_op, (hidden, weight, ids, rows, 0.7, True, 0, None, 2, None)),
         "linear_token_stats_backward": (
             linear_token_stats_backward_op,
-            (hidden.detach(), weight.detach(), ids, rows, softmax_state, per_id, per_row, per_id, 0.7, 0, 2, True, True),
+            (hidden.detach(), weight.detach(), ids, rows, softmax_state, per_id, per_row, per_id, 0.7, 0, 2, True, True, None),
+        ),
+        "linear_token_stats_backward_main_grad": (  # the weight gradient added into main_grad, in place
+            linear_token_stats_backward_op,
+            (hidden.detach(), weight.detach(), ids, rows, softmax_state, per_id, per_row, per_id, 0.7, 0, 2, True, True,
+             torch.randn(70, 8, generator=gen).to(device)),
         ),
         "segment_sum": (segment_sum_op, (values, mask, segments, denominators)),
         "segment_sum_backward": (segment_sum_backward_op, (torch.randn(2, generator=gen).to(device), mask, segments, denominators, torch.float32)),
@@ -191,7 +196,8 @@ def _op_inputs(gen, device):
 
 
 @pytest.mark.parametrize(
-    "op", ["token_stats", "token_stats_backward", "linear_token_stats", "linear_token_stats_backward", "segment_sum", "segment_sum_backward"]
+    "op", ["token_stats", "token_stats_backward", "linear_token_stats", "linear_token_stats_backward",
+           "linear_token_stats_backward_main_grad", "segment_sum", "segment_sum_backward"]
 )  # fmt: skip
 def test_opcheck(op, device):
     fn, args = _op_inputs(torch.Generator().manual_seed(5), device)[op]

@@ -9,8 +9,11 @@ block, J = 1 + 8 with repeated ids, selected rows out of order, an empty selecti
 temperature at a large logit scale. The head runs on the `device` fixture's device.
 """
 
+import gc
+
 import pytest
 import torch
+from bench_package import import_bench
 from lm_head_cases import (
     SeparableLoss, loss_with_grad, one_pass_head, random_layer, recompute_head, truth_head, truth_loss_head,
     unfused_loss_head,
@@ -19,7 +22,12 @@ from numerics import assert_no_worse_than, rel_err
 from token_stats_cases import make_ids
 from torch.utils.flop_counter import FlopCounterMode
 
+import_bench()
+from bench.harness.flops import GemmFlops  # noqa: E402
+from bench.harness.memory import TensorTally  # noqa: E402
+
 from fusedrl.kernels import LinearTokenLoss, TokenStats, linear_token_loss
+from fusedrl.kernels.linear_token_loss import WEIGHT_BUFFER_BUDGET
 
 FP32_TOL = 1e-5
 
@@ -102,15 +110,20 @@ def test_fp32_at_large_logit_scale_no_worse_than_the_unfused_path(device):
         assert_no_worse_than(errors, f"{name}: one pass vs unfused fp32")
 
 
-@pytest.mark.parametrize("vocab,rows,chunk_rows", [(7, None, 3), (4099, [9, 1, 2, 14, 6], 3), (4099, None, None)])
-def test_bf16_no_worse_than_the_unfused_path(vocab, rows, chunk_rows, device):
-    """Several chunks (the weight gradient summed in fp32) and one chunk of all the rows (the default
-    here: the GEMM writes the weight gradient in bf16, no fp32 buffer)."""
+@pytest.mark.parametrize(
+    "vocab,rows,chunk_rows,budget",
+    [(7, None, 3, WEIGHT_BUFFER_BUDGET), (4099, [9, 1, 2, 14, 6], 3, WEIGHT_BUFFER_BUDGET), (4099, None, None, WEIGHT_BUFFER_BUDGET),
+     (4099, [9, 1, 2, 14, 6], 3, 0)],
+)  # fmt: skip
+def test_bf16_no_worse_than_the_unfused_path(vocab, rows, chunk_rows, budget, device):
+    """Several chunks (the weight gradient summed in fp32), one chunk of all the rows (the default
+    here: the GEMM writes the weight gradient in bf16, no fp32 buffer), and several chunks whose fp32
+    sum would exceed the budget (0 here): the vocabulary walk, each slice written once in bf16."""
     hidden, weight, ids, row_loss, kwargs = problem(
         16, 64, vocab, 9, torch.bfloat16, vocab, rows, exact=True, temperature=0.7, with_entropy=True
     )  # exact: the bf16 logits are the float64 product rounded once, whatever the GEMM's blocking
     one_pass = loss_with_grad(one_pass_head, hidden, weight, ids, row_loss, device=device, chunk_rows=chunk_rows,
-                              **kwargs)  # fmt: skip
+                              weight_buffer_budget=budget, **kwargs)  # fmt: skip
     truth = loss_with_grad(truth_loss_head, hidden, weight, ids, row_loss, **kwargs)
     unfused = loss_with_grad(unfused_loss_head, hidden, weight, ids, row_loss, device=device, **kwargs)
     slack = 1e-6
@@ -193,6 +206,45 @@ def test_a_loss_of_one_statistic_alone_gets_the_exact_gradients(used, device):
     one_pass = loss_with_grad(one_pass_head, hidden, weight, ids, row_loss, device=device, **kwargs)
     truth = loss_with_grad(truth_loss_head, hidden, weight, ids, row_loss, **kwargs)
     assert_close_all(one_pass, truth, FP32_TOL, used)
+
+
+@pytest.mark.parametrize("chunk_rows,budget", [(16, None), (4, None), (4, 0)])
+def test_a_loss_that_does_not_use_the_statistics_gets_zero_gradients(chunk_rows, budget, device):
+    """One chunk (the weight gradient an uninitialised tensor its GEMM would write), several chunks
+    (the fp32 sum) and the vocabulary walk: no GEMM runs, and both gradients are zeros, never
+    whatever memory held."""
+    hidden, weight, ids, _, kwargs = problem(16, 8, 50, 2, torch.bfloat16, 4)
+    hidden, weight, ids = (t.to(device) for t in (hidden, weight, ids))
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    result = linear_token_loss(hidden, weight, ids, lambda stats, slots: torch.zeros((), device=device),
+                               chunk_rows=chunk_rows, weight_buffer_budget=budget)  # fmt: skip
+    result.loss.backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
+def test_the_walk_holds_no_weight_sized_fp32_sum_and_runs_four_gemms(device):
+    """bf16, several chunks, the budget below the fp32 [V, H] sum: the forward (which makes the
+    gradients) holds beyond its returned gradients one slice of logits (as many elements as a
+    chunk) and per-row bookkeeping, not the 4 V H bytes of the sum; and it runs the recompute
+    path's four GEMMs."""
+    num_rows, width, vocab, chunk = 32, 16, 1000, 4
+    hidden, weight, ids, row_loss, kwargs = problem(num_rows, width, vocab, 3, torch.bfloat16, 6, with_entropy=True)
+    hidden, weight, ids = (t.to(device).requires_grad_(t.is_floating_point()) for t in (hidden, weight, ids))
+    row_loss = row_loss.to(device)
+    chunk_logits = chunk * vocab * 2
+    upcast = chunk_logits // 2  # CPU only: the fp32 copies of `add_product_fp32`, a quarter of a chunk's elements
+    bookkeeping = 16 * num_rows * (3 + 3) * 8 + num_rows * width * 4  # the rows' statistics, fp32 d hidden sums
+    with TensorTally() as tally, GemmFlops() as flops:
+        result = linear_token_loss(hidden, weight, ids, row_loss, with_entropy=True, chunk_rows=chunk,
+                                   weight_buffer_budget=4 * vocab * width - 1)  # fmt: skip
+        gc.collect()  # the Triton interpreter's argument closures keep launched tensors in a cycle
+        returned = (num_rows + vocab) * width * 2  # the bf16 gradients, made in the forward
+        peak = tally.peak() - returned
+    assert peak <= chunk_logits + upcast + bookkeeping < vocab * width * 4
+    assert flops.total == 4 * 2 * num_rows * vocab * width  # addmm_ counted too (CPU's fp32 sums)
+    result.loss.backward()
+    assert weight.grad.dtype == torch.bfloat16
 
 
 def test_row_loss_sees_each_chunk_once_in_order_as_fresh_leaves(device):

@@ -28,6 +28,8 @@ BAD_CALLS = LAYER_BAD_CALLS + [
     (dict(main_grad=torch.zeros(10, 6)), r"main_grad needs grad_scale: .* got grad_scale=None"),
     (dict(grad_scale=0.0), r"grad_scale must be a finite nonzero number, got 0\.0"),
     (dict(grad_scale=math.nan), r"grad_scale must be a finite nonzero number, got nan"),
+    (dict(weight_buffer_budget=-1), r"weight_buffer_budget must be an int >= 0 \(bytes\) or None, got -1"),
+    (dict(weight_buffer_budget=1.5e9), r"weight_buffer_budget must be an int >= 0 \(bytes\) or None, got 1500000000.0"),
     (dict(main_grad=torch.zeros(10, 6).tolist(), grad_scale=0.5), r"main_grad must be a torch.Tensor, got list"),
     (dict(main_grad=torch.zeros(10, 6, dtype=torch.bfloat16), grad_scale=0.5),
      r"main_grad must be float32 \(megatron-core's main_grad\), got torch.bfloat16"),

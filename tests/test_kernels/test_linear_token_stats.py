@@ -12,6 +12,7 @@ import gc
 import pytest
 import torch
 from bench_package import import_bench
+from device import to_device
 from lm_head_cases import head_with_grad, random_layer, truth_head
 from numerics import rel_err
 from token_stats_cases import loss_of, make_ids, upstream_grads
@@ -244,6 +245,55 @@ def test_vocabulary_walk_weight_gradient_no_worse_than_the_unfused_path(dtype, d
             assert rel_err(fused_hidden, truth_hidden) <= rel_err(bar_hidden, truth_hidden) * 1.05 + 1e-7, (seed, bar)
         if dtype == torch.float32:
             assert rel_err(fused_weight, truth_weight) < FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_main_grad_gets_the_weight_gradient_added_and_the_weight_no_grad(dtype, device):
+    """main_grad (megatron-core's fp32 `weight.main_grad`, random, not zeros): the backward adds
+    each vocabulary slice of the weight gradient into it (5 slices here, the last one short) and
+    the weight's .grad stays None. Against float64 (main_grad's start plus the true gradient), over
+    seeds, with selected rows, a repeated id and |logits| / T in the hundreds: no worse than adding
+    the gradient the walk writes without main_grad, in the layer's dtype (megatron without the
+    fusion), and under 1e-5 in fp32; d hidden bitwise the one without main_grad."""
+    num_rows, width, vocab, temperature = 12, 16, 301, 0.05
+    rows = torch.tensor([11, 2, 3, 7, 0, 5, 8, 1])
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(200 + seed)
+        hidden, weight = random_layer(num_rows, width, vocab, dtype, gen, logit_scale=10.0, exact=dtype != torch.float32)
+        ids = make_ids(rows.numel(), vocab, 3, gen)
+        ids[:, 1] = ids[:, 0]
+        kwargs = dict(temperature=temperature, with_entropy=True, rows=rows, chunk_rows=2)
+        _, grads, (plain_hidden, plain_weight) = head_with_grad(linear_token_stats, hidden, weight, ids, device=device, **kwargs)
+        _, _, (_, truth_weight) = head_with_grad(truth_head, hidden, weight, ids, grads, **kwargs)
+        start = torch.randn(vocab, width, generator=gen) * truth_weight.abs().mean().float()
+        layer_hidden, layer_weight = (t.to(device).requires_grad_(True) for t in (hidden, weight))
+        main_grad = start.clone().to(device)
+        stats = linear_token_stats(layer_hidden, layer_weight, ids.to(device), main_grad=main_grad, **to_device(kwargs, device))
+        loss_of(stats, to_device(grads, device)).backward()
+        assert layer_weight.grad is None
+        assert torch.equal(layer_hidden.grad.cpu(), plain_hidden)
+        truth = start.double() + truth_weight
+        error = rel_err(main_grad.cpu(), truth)
+        assert error <= rel_err(start + plain_weight.float(), truth) * 1.05 + 1e-7, seed
+        if dtype == torch.float32:
+            assert error < FP32_TOL
+
+
+def test_cpu_without_interpreter_adds_into_main_grad_too(monkeypatch):
+    """The unfused path (CPU outside the interpreter) honours main_grad as the fused one does."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = torch.Generator().manual_seed(19)
+    hidden, weight = random_layer(5, 8, 30, torch.float32, gen)
+    ids = make_ids(5, 30, 2, gen)
+    start = torch.randn(30, 8, generator=gen)
+    main_grad, plain_weight = start.clone(), weight.clone().requires_grad_(True)
+    weight.requires_grad_(True)
+    stats = linear_token_stats(hidden, weight, ids, with_entropy=True, main_grad=main_grad)
+    (stats.logp.sum() + stats.entropy.sum()).backward()
+    plain = linear_token_stats(hidden, plain_weight, ids, with_entropy=True)
+    (plain.logp.sum() + plain.entropy.sum()).backward()
+    assert weight.grad is None
+    assert torch.equal(main_grad, start + plain_weight.grad)
 
 
 def test_low_precision_backward_holds_one_slice_of_logits_and_no_weight_sized_sum(device):

@@ -1,5 +1,5 @@
 """Bad input to linear_token_stats fails early with a ValueError naming the argument and the value:
-the layer's own checks (shapes, H and dtype mismatches, chunk_rows) and token_stats' checks of ids,
+the layer's own checks (shapes, H and dtype mismatches, chunk_rows, main_grad) and token_stats' checks of ids,
 rows and temperature, with the same messages. The checks run before any kernel, the same on every
 device: CPU tensors here, whatever FUSEDRL_TEST_DEVICE says."""
 
@@ -47,9 +47,16 @@ BAD_CALLS = [
     (dict(rows=torch.tensor([1, 3, 1]), ids=IDS[:3]), r"rows must be distinct, got row 1"),
     (dict(rows=torch.tensor([0, 1, 2])), r"ids must have len\(rows\) = 3 rows"),
 ]
+# linear_token_loss takes these with grad_scale (tests/test_kernels/test_linear_token_loss_inputs.py)
+MAIN_GRAD_BAD_CALLS = [
+    (dict(main_grad=[0.0]), r"main_grad must be a torch.Tensor, got list"),
+    (dict(main_grad=WEIGHT.bfloat16()), r"main_grad must be float32 \(megatron-core's main_grad\), got torch.bfloat16"),
+    (dict(main_grad=WEIGHT[:, :5].clone()), r"main_grad must have weight's shape \(10, 6\), got \(10, 5\)"),
+    (dict(main_grad=WEIGHT.to("meta")), r"main_grad is on meta but weight on cpu"),
+]
 
 
-@pytest.mark.parametrize("overrides,message", BAD_CALLS)
+@pytest.mark.parametrize("overrides,message", BAD_CALLS + MAIN_GRAD_BAD_CALLS)
 def test_bad_input_raises_value_error_naming_it(overrides, message):
     args = dict(hidden=HIDDEN, weight=WEIGHT, ids=IDS)
     args.update(overrides)
