@@ -26,6 +26,11 @@ _LEFT_OUT = pytest.StashKey[int]()  # how many full-tier cases this run deselect
 
 def pytest_configure(config):
     config.addinivalue_line("markers", f"full: a case of the full tier, run only under {FULL_ENV}=1 (tests/tiers.py)")
+    config.addinivalue_line(
+        "markers",
+        "host_bookkeeping: checks the host code's memory or GEMM bookkeeping around the kernels, which no "
+        "Triton version changes; CI's Triton-matrix legs (.ci/triton-matrix) leave it to the main run",
+    )
     config.stash[_LEFT_OUT] = 0
 
 

@@ -223,6 +223,7 @@ def test_a_loss_that_does_not_use_the_statistics_gets_zero_gradients(chunk_rows,
     assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(hidden.grad, torch.zeros_like(hidden))
 
 
+@pytest.mark.host_bookkeeping
 def test_the_walk_holds_no_weight_sized_fp32_sum_and_runs_four_gemms(device):
     """bf16, several chunks, the budget below the fp32 [V, H] sum: the forward (which makes the
     gradients) holds beyond its returned gradients one slice of logits (as many elements as a

@@ -158,6 +158,7 @@ def test_same_inputs_give_bitwise_identical_results(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.host_bookkeeping
 @pytest.mark.parametrize("rows", [None, list(range(0, 64, 2))])
 def test_one_chunk_of_logits_is_alive_at_a_time(rows, device):
     """Peak allocations of forward and backward, less the returned gradients, stay within one
@@ -296,6 +297,7 @@ def test_cpu_without_interpreter_adds_into_main_grad_too(monkeypatch):
     assert torch.equal(main_grad, start + plain_weight.grad)
 
 
+@pytest.mark.host_bookkeeping
 def test_low_precision_backward_holds_one_slice_of_logits_and_no_weight_sized_sum(device):
     """bf16: the backward's peak beyond its returned gradients is one slice of logits (as many
     elements as the forward's chunk) and per-row bookkeeping, not the fp32 [V, H] sum over row
