@@ -179,18 +179,27 @@ def _logits_stand_in(hidden, weight) -> torch.Tensor:
 def add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b with fp32 sums whatever a and b hold (bf16/fp16 products rounded once, at the end).
 
-    Where torch cannot add a low-precision GEMM into fp32 (CPU), the operands are upcast exactly, a
-    block of a's columns (b's rows) at a time, so that the fp32 copies hold at most 1 / UPCAST_SHARE
-    of a's elements: correct everywhere, at fp32 GEMM speed, without a temporary the size of the
-    weight."""
+    Where torch cannot add a low-precision GEMM into fp32 (CPU), the operands are upcast exactly, in
+    blocks whose fp32 copies hold at most 1 / UPCAST_SHARE of a's elements: correct everywhere, at
+    fp32 GEMM speed, without a temporary the size of the weight. Blocks of a's rows (acc's rows, b
+    upcast once) when b's copy fits, so that each row of acc is read and written once (a weight
+    gradient `[V, H] += [V, C] @ [C, H]`); else blocks of a's columns (b's rows), each one a pass
+    over acc (a hidden-state gradient `[N, H] += [N, V_slice] @ [V_slice, H]`, acc small)."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
     elif _adds_low_precision_products_in_fp32(acc.device.type, a.dtype):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # cuBLAS: low-precision A, B; fp32 C
     else:
-        step = max(1, a.numel() // (UPCAST_SHARE * (a.shape[0] + b.shape[1])))
-        for start in range(0, a.shape[1], step):
-            acc.addmm_(a[:, start : start + step].float(), b[start : start + step].float())
+        budget = max(1, a.numel() // UPCAST_SHARE)  # fp32 elements the copies may hold at once
+        inner, width = b.shape
+        if 2 * inner * width <= budget:
+            b_fp32, rows = b.float(), max(1, (budget - inner * width) // max(1, inner))
+            for start in range(0, a.shape[0], rows):
+                acc[start : start + rows].addmm_(a[start : start + rows].float(), b_fp32)
+        else:
+            step = max(1, budget // (a.shape[0] + width))
+            for start in range(0, inner, step):
+                acc.addmm_(a[:, start : start + step].float(), b[start : start + step].float())
 
 
 @functools.lru_cache(maxsize=None)
