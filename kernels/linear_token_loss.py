@@ -170,8 +170,10 @@ class _Head:
         loss, coefficients = self._loss_and_grads(leaves, slice(0, num_selected), inputs, True)
         stats = TokenStats(*(None if t is None else t.detach() for t in leaves))
         row_grads = row_grads_sum(self.hidden, self.rows, num_selected) if wants_hidden else None
-        grad_weight = torch.zeros_like(self.weight)
-        if coefficients is not None:
+        grad_weight = torch.empty_like(self.weight)  # each slice written once by its GEMM
+        if coefficients is None:
+            grad_weight.zero_()  # a loss that does not use the statistics
+        else:
             logp_grad, scores_grad, *entropy_grad = coefficients
             slices.backward(self.ids, row.softmax_state, (logp_grad, next(iter(entropy_grad), None), scores_grad),
                             self.vocab_start, self.temperature, row_grads, grad_weight, None)  # fmt: skip
