@@ -206,8 +206,8 @@ PHASE_NAMES = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward + backwa
 OP_TITLES = {"token_stats": "token statistics (token_stats)", "segment_sum": "aggregation\n(segment_sum)"}
 SUBJECT_STYLES = {"fused": ("#1f5fa8", "o"), "eager": ("#e07b1a", "s"), "compile": ("#3a9a3a", "^"),
                   "liger": ("#8a4fb5", "D"), "megatron": ("#c0392b", "v"), "one_pass": ("#17becf", "P"),
-                  "one_pass_main_grad": ("#7f7f7f", "X"), "verl": ("#b8860b", "*"), "liger_flce": ("#d35fb7", "p"),
-                  "liger_scaled": ("#5b3a8a", "h")}
+                  "one_pass_main_grad": ("#7f7f7f", "X"), "verl": ("#b8860b", "*"),
+                  "verl_main_grad": ("#6b8e23", "d"), "liger_flce": ("#d35fb7", "p"), "liger_scaled": ("#5b3a8a", "h")}
 # Figure geometry in inches: the plotting area grows with the cases up to a bound, then rows get
 # denser (and their labels smaller, down to a floor) instead of the figure taller.
 ROW_INCHES, MAX_ROWS_INCHES, FRAME_INCHES = 0.3, 13.0, 2.2

@@ -8,7 +8,8 @@ log-prob of the sampled token, so they cover J = 1 without entropy at temperatur
 head (`linear_token_stats`), `fused` is the recompute path, `eager` the unfused one, and `one_pass`
 / `one_pass_main_grad` the one-pass path (`linear_token_loss`), its weight gradient returned or
 added to the workload's fp32 main_grad; the rivals (`bench/rivals/lm_heads.py`) are `verl` (verl's
-linear cross-entropy, slime's `--log-probs-backend triton`), `liger_flce` (Liger's fused linear
+linear cross-entropy, slime's `--log-probs-backend triton`), `verl_main_grad` (the same, its weight
+gradient then added to main_grad as megatron-core does), `liger_flce` (Liger's fused linear
 cross entropy, per token) and `liger_scaled` (Liger's fused linear scaled cross entropy, with
 entropy), each taking one id per row.
 """
@@ -26,7 +27,7 @@ from .workloads.linear_token_stats import run_fused, run_one_pass, run_one_pass_
 from .workloads.segment_sum import eager_sum_of_sample_mean
 
 SUBJECT_NAMES = ("fused", "eager", "compile", "liger", "megatron", "one_pass", "one_pass_main_grad",
-                 "verl", "liger_flce", "liger_scaled")
+                 "verl", "verl_main_grad", "liger_flce", "liger_scaled")
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def _one_pass_main_grad():
     return Subject("one_pass_main_grad", {"linear_token_stats": run_one_pass_main_grad})
 
 
-def _verl(device):
+def _verl(device, name="verl", make_run=lm_heads.verl_run):
     from .rivals import verl_import
     from .rivals.interpreter_dot import correct_bf16_dot
 
@@ -142,8 +143,7 @@ def _verl(device):
     if cpu:
         correct_bf16_dot()  # verl's GEMMs are tl.dot: bf16 ones need the interpreter fixed
     linear_cross_entropy = verl_import.linear_cross_entropy(strip_asserts=cpu)
-    return Subject("verl", {"linear_token_stats": lm_heads.verl_run(linear_cross_entropy)}, lm_heads.verl_refusal,
-                   peer=True)
+    return Subject(name, {"linear_token_stats": make_run(linear_cross_entropy)}, lm_heads.verl_refusal, peer=True)
 
 
 def _liger_flce():
@@ -200,6 +200,7 @@ def make_subjects(names, device):
         "one_pass": _one_pass,
         "one_pass_main_grad": _one_pass_main_grad,
         "verl": lambda: _verl(device),
+        "verl_main_grad": lambda: _verl(device, "verl_main_grad", lm_heads.verl_main_grad_run),
         "liger_flce": _liger_flce,
         "liger_scaled": lambda: _liger_scaled(device),
     }

@@ -60,7 +60,7 @@ from ._contract import TokenStats, values_readable
 from ._dispatch import uses_triton
 from ._tp import TensorParallel
 from .linear_token_stats import (
-    ChunkedLogits, VocabularySlices, check_head_inputs, check_main_grad, device_chunk_rows, row_grads_sum, scatter_rows,
+    ChunkedLogits, VocabularySlices, check_head_inputs, check_main_grad, device_chunk_rows, scatter_rows,
 )  # fmt: skip
 from .reference import token_stats_reference
 from .token_stats import all_rank_partials, combine_partials, logits_grad, row_partials
@@ -169,7 +169,7 @@ class _Head:
         inputs = [leaves.logp, leaves.scores] + ([leaves.entropy] if self.with_entropy else [])
         loss, coefficients = self._loss_and_grads(leaves, slice(0, num_selected), inputs, True)
         stats = TokenStats(*(None if t is None else t.detach() for t in leaves))
-        row_grads = row_grads_sum(self.hidden, self.rows, num_selected) if wants_hidden else None
+        row_grads = slices.row_grads(self.hidden, self.rows) if wants_hidden else None
         grad_weight = torch.empty_like(self.weight)  # each slice written once by its GEMM
         if coefficients is None:
             grad_weight.zero_()  # a loss that does not use the statistics

@@ -18,7 +18,8 @@ and applies the linear layer's two backward GEMMs. Walked by row chunks, the wei
 be a sum over chunks, held in an fp32 `[V_local, H]` buffer (2.3 GiB at H = 4096, V_local =
 151936); walked by slices, each slice of the weight gradient comes out of one GEMM, written once in
 the weight's dtype from sums that stay in fp32 inside the GEMM. What is summed over slices is the
-hidden-state gradient, in fp32 `[N, H]`, small next to `[V_local, H]`. Rows not selected by `rows`
+hidden-state gradient, in fp32 `[N, H]`, small next to `[V_local, H]` (with one slice, the whole
+vocabulary, its GEMM writes it once in the layer's dtype, as the unfused path does). Rows not selected by `rows`
 are never multiplied (they are gathered once, `[N, H]`, when `rows` is given).
 
 Given megatron-core's fp32 `main_grad` of the weight (its gradient-accumulation fusion), each slice
@@ -56,7 +57,7 @@ CHUNK_SHARE_OF_ROWS = 32
 MIN_CHUNK_ROWS = 768
 FREE_MEMORY_SHARE = 4
 # Where a low-precision product is upcast to be summed in fp32 (CPU), the copies hold at most this
-# share of the left operand's elements at a time.
+# share of the left operand's elements at a time (`add_product_fp32`).
 UPCAST_SHARE = 4
 
 
@@ -180,11 +181,14 @@ def add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
     """acc += a @ b with fp32 sums whatever a and b hold (bf16/fp16 products rounded once, at the end).
 
     Where torch cannot add a low-precision GEMM into fp32 (CPU), the operands are upcast exactly, in
-    blocks whose fp32 copies hold at most 1 / UPCAST_SHARE of a's elements: correct everywhere, at
-    fp32 GEMM speed, without a temporary the size of the weight. Blocks of a's rows (acc's rows, b
-    upcast once) when b's copy fits, so that each row of acc is read and written once (a weight
-    gradient `[V, H] += [V, C] @ [C, H]`); else blocks of a's columns (b's rows), each one a pass
-    over acc (a hidden-state gradient `[N, H] += [N, V_slice] @ [V_slice, H]`, acc small)."""
+    blocks: correct everywhere, at fp32 GEMM speed, without a temporary the size of the weight.
+    When b's fp32 copy holds at most 1 / UPCAST_SHARE of a's elements (a weight gradient
+    `[V, H] += [V, C] @ [C, H]`), b is upcast once and a in blocks of rows holding UPCAST_SHARE
+    times b's elements: each row of acc is read and written once, the copies hold 1 + UPCAST_SHARE
+    times b's elements whatever a's size, and b, read once per block, adds 1 / UPCAST_SHARE of a's
+    fp32 copy to the bytes moved. Else blocks of a's columns (b's rows) holding at most
+    1 / UPCAST_SHARE of a's elements, each one a pass over acc (a hidden-state gradient
+    `[N, H] += [N, V_slice] @ [V_slice, H]`, acc small)."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
     elif _adds_low_precision_products_in_fp32(acc.device.type, a.dtype):
@@ -192,8 +196,8 @@ def add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
     else:
         budget = max(1, a.numel() // UPCAST_SHARE)  # fp32 elements the copies may hold at once
         inner, width = b.shape
-        if 2 * inner * width <= budget:
-            b_fp32, rows = b.float(), max(1, (budget - inner * width) // max(1, inner))
+        if inner * width <= budget:
+            b_fp32, rows = b.float(), max(1, UPCAST_SHARE * width)
             for start in range(0, a.shape[0], rows):
                 acc[start : start + rows].addmm_(a[start : start + rows].float(), b_fp32)
         else:
@@ -272,6 +276,23 @@ class VocabularySlices:
         self.columns = slice_columns(num_selected, weight.shape[0], chunk_rows)
         self.buffer = hidden.new_empty((num_selected * self.columns,))
 
+    @property
+    def single(self) -> bool:
+        """Whether one slice spans the whole vocabulary: then one GEMM writes the hidden-state
+        gradient, and no sum over slices is needed."""
+        return self.columns >= self.weight.shape[0]
+
+    def row_grads(self, hidden, rows) -> torch.Tensor:
+        """The selected rows' hidden-state gradient buffer: written by the one slice's GEMM in
+        hidden's dtype (rounded once, as the unfused path), else summed over slices in fp32 (zeros);
+        for layers without `rows` whose dtype is the buffer's, the returned gradient itself."""
+        num_selected, width = self.selected.shape
+        if self.single:
+            return hidden.new_empty(hidden.shape if rows is None else (num_selected, width))
+        if rows is None and hidden.dtype == torch.float32:
+            return torch.zeros_like(hidden)
+        return torch.zeros((num_selected, width), dtype=torch.float32, device=hidden.device)
+
     def __iter__(self):
         """(first column, the slice's weight rows, its logits [N, width]) per slice."""
         num_selected = self.selected.shape[0]
@@ -300,13 +321,15 @@ class VocabularySlices:
     def layer_grads(self, start, block, grad_logits, row_grads, grad_weight, main_grad) -> None:
         """grad_weight[the slice] = grad_logits^T @ selected rows (written once, in grad_weight's
         dtype, from the GEMM's fp32 sums), or main_grad[the slice] += that product in fp32, and
-        row_grads += grad_logits @ block in fp32; a None gradient is not wanted."""
+        row_grads += grad_logits @ block in fp32 (= with one slice); a None gradient is not wanted."""
         columns = slice(start, start + block.shape[0])
         if main_grad is not None:
             add_product_fp32(main_grad[columns], grad_logits.t(), self.selected)
         elif grad_weight is not None:
             torch.mm(grad_logits.t(), self.selected, out=grad_weight[columns])
-        if row_grads is not None:
+        if row_grads is not None and self.single:
+            torch.mm(grad_logits, block, out=row_grads)
+        elif row_grads is not None:
             add_product_fp32(row_grads, grad_logits, block)
 
 
@@ -362,8 +385,8 @@ def linear_token_stats_backward_op(
     output gradient is zero (entropy_grad None: no entropy term)."""
     into_main_grad = main_grad if wants_weight else None
     grad_weight = weight.new_empty(weight.shape if wants_weight and main_grad is None else (0,))
-    row_grads = row_grads_sum(hidden, rows, ids.shape[0]) if wants_hidden else None
     slices = VocabularySlices(hidden, weight, rows, ids.shape[0], chunk_rows)
+    row_grads = slices.row_grads(hidden, rows) if wants_hidden else None
     slices.backward(ids, softmax_state, (logp_grad, entropy_grad, scores_grad), vocab_start, temperature, row_grads,
                     grad_weight if wants_weight else None, into_main_grad)  # fmt: skip
     if not wants_hidden:
@@ -371,16 +394,9 @@ def linear_token_stats_backward_op(
     return scatter_rows(row_grads, hidden, rows), grad_weight
 
 
-def row_grads_sum(hidden, rows, num_selected) -> torch.Tensor:
-    """The selected rows' hidden-state gradient, summed over vocabulary slices in fp32 (zeros):
-    for fp32 layers without `rows`, the returned gradient itself."""
-    if rows is None and hidden.dtype == torch.float32:
-        return torch.zeros_like(hidden)
-    return torch.zeros((num_selected, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
-
-
 def scatter_rows(row_grads, hidden, rows) -> torch.Tensor:
-    """d hidden [T, H] in hidden's dtype: the selected rows' sums rounded once, zeros elsewhere."""
+    """d hidden [T, H] in hidden's dtype: the selected rows' gradient (fp32 sums rounded once), zeros
+    elsewhere."""
     if rows is None:
         return row_grads.to(hidden.dtype)
     grad_hidden = torch.zeros_like(hidden)

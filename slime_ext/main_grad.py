@@ -1,4 +1,8 @@
-"""The one-pass LM head's weight gradient straight into megatron-core's fp32 `main_grad`.
+"""The fused LM head's weight gradient straight into megatron-core's fp32 `main_grad`.
+
+The recompute path (`fusedrl.kernels.linear_token_stats`, `recompute_inputs`) adds the weight
+gradient into `main_grad` in its backward, where the incoming gradient is known: it needs megatron's
+protocol below, not the scale, and its placeholder gradient is handed out after the add.
 
 `fusedrl.kernels.linear_token_loss` computes the whole gradient in its forward. Given a
 `main_grad` and the scale the incoming gradient will have, it adds `grad_scale * dW` into
@@ -127,6 +131,13 @@ def target(weight: torch.Tensor, config, args, batch) -> Target:
     if schedule is None or not (weight.requires_grad and torch.is_grad_enabled()):
         return Target(None, None)
     grad_scale = incoming_gradient(args, batch, config, schedule, weight.device)
+    once = not getattr(args, "recompute_loss_function", False)
+    return Target(usable_main_grad(weight) if once else None, grad_scale)
+
+
+def usable_main_grad(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The weight's fp32 `main_grad` when it is a megatron DDP parameter whose gradient is being
+    recorded and megatron's protocol applies to it (not FSDP, an fp32 buffer of its shape), else None."""
     main_grad = getattr(weight, "main_grad", None)
     usable = (
         main_grad is not None
@@ -134,9 +145,10 @@ def target(weight: torch.Tensor, config, args, batch) -> Target:
         and not hasattr(weight, "__fsdp_param__")
         and main_grad.dtype == torch.float32
         and tuple(main_grad.shape) == tuple(weight.shape)
-        and not getattr(args, "recompute_loss_function", False)
+        and weight.requires_grad
+        and torch.is_grad_enabled()
     )
-    return Target(main_grad if usable else None, grad_scale)
+    return main_grad if usable else None
 
 
 _PLACEHOLDERS = {}  # (shape, dtype, device) -> megatron's dummy weight gradient, reused
@@ -146,10 +158,12 @@ def placeholder_gradient(weight: torch.Tensor) -> torch.Tensor:
     """The dummy `[V/tp, H]` gradient the weight receives in the backward, one buffer reused by every
     micro-batch (what megatron-core takes from Transformer Engine's `get_dummy_wgrad`): zeroed on
     every call when `zero_out_wgrad` is set (tied embeddings on one stage: the lookup's gradient is
-    added to it and DDP's hook adds the sum), else left as it is (the hook drops it)."""
+    added to it and DDP's hook adds the sum), else left as it is (the hook drops it). Made NaN, once:
+    were it ever added to `main_grad` (the protocol broken), the step's NaN check says so, where
+    uninitialised memory would add silent garbage."""
     key = (tuple(weight.shape), weight.dtype, weight.device)
     if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        _PLACEHOLDERS[key] = torch.full(weight.shape, float("nan"), dtype=weight.dtype, device=weight.device)
     placeholder = _PLACEHOLDERS[key]
     if getattr(weight, "zero_out_wgrad", False):
         placeholder.zero_()
@@ -162,19 +176,47 @@ class _GradAddedToMainGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight):
-        ctx.save_for_backward(weight)
+        ctx.weight = weight  # the parameter itself: a saved tensor may come back an alias (checkpointing)
         return torch.zeros((), dtype=torch.float32, device=weight.device)
 
     @staticmethod
     def backward(ctx, grad):
-        (weight,) = ctx.saved_tensors
-        weight.grad_added_to_main_grad = True
-        return placeholder_gradient(weight)
+        ctx.weight.grad_added_to_main_grad = True
+        return placeholder_gradient(ctx.weight)
 
 
 def joined(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`loss` with the weight's megatron protocol attached (same value)."""
     return loss + _GradAddedToMainGrad.apply(weight)
+
+
+class _AfterHiddenGradient(torch.autograd.Function):
+    """The hidden states, unchanged, tied to the output weight. Their gradient comes from the
+    recompute path's backward, which adds the weight gradient into `main_grad` in the same op; so
+    this backward, run when that gradient arrives, is after the add: it gives the weight megatron's
+    dummy gradient and sets `grad_added_to_main_grad`, and DDP's hook (a bucket's reduce under
+    overlap_grad_reduce) fires on a `main_grad` that holds the micro-batch's gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.weight = weight  # the parameter itself: a saved tensor may come back an alias (checkpointing)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.weight.grad_added_to_main_grad = True
+        return grad, placeholder_gradient(ctx.weight)
+
+
+def recompute_inputs(hidden: torch.Tensor, weight: torch.Tensor):
+    """(hidden, weight, main_grad) for the recompute path (`linear_token_stats`): into the weight's
+    fp32 `main_grad` in the backward, with megatron's protocol, where it is usable; else the `.grad`
+    path (`checked_grad_path`) and None. Unlike the one pass, no scale is needed (the backward
+    receives the gradient) and the loss may run twice (--recompute-loss-function: one backward)."""
+    into = usable_main_grad(weight)
+    if into is None:
+        return hidden, checked_grad_path(weight), None
+    return _AfterHiddenGradient.apply(hidden, weight), weight, into
 
 
 def check_grad_path(weight: torch.Tensor) -> None:

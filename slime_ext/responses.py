@@ -95,10 +95,10 @@ class ResponseTokens(NamedTuple):
         if weight is None:
             return token_stats(output, ids, rows=self.rows, tp_group=megatron.tp_group(), validate=validate, **kwargs)
         lm_head.log_path_once("log-probs", "recompute path (linear_token_stats)")
-        hidden = lm_head.hidden_rows(output, weight)
+        hidden, weight, into = main_grad.recompute_inputs(lm_head.hidden_rows(output, weight), weight)
         return linear_token_stats(
-            hidden, main_grad.checked_grad_path(weight), ids, rows=self.rows, tp_group=megatron.tp_group(),
-            validate=validate, **kwargs,
+            hidden, weight, ids, rows=self.rows, tp_group=megatron.tp_group(), main_grad=into, validate=validate,
+            **kwargs,
         )  # fmt: skip
 
     def per_sample(self, values: torch.Tensor) -> List[torch.Tensor]:

@@ -5,6 +5,10 @@ J = 1 + K is theirs to refuse (`Subject.refuses`).
 
 - verl's `linear_cross_entropy`: log-probs and entropy in Triton (the entropy always computed),
   the logits recomputed in the backward; temperature fused.
+- `verl_main_grad`: verl's, its weight gradient then added into the workload's fp32 main_grad the
+  way megatron-core's data-parallel hook does for a layer that returns its own gradient
+  (`main_grad.add_(grad)`): the bytes and memory verl costs a megatron trainer, beside the package's
+  own path into main_grad.
 - Liger's fused linear cross entropy with `reduction="none"`: per-token cross entropy (the
   log-prob's negative), its gradient made in the backward by recomputing the chunked logits; no
   entropy, no temperature.
@@ -18,6 +22,8 @@ gradients apply to.
 """
 
 import gc
+
+import torch
 
 
 def _sampled_ids(workload):
@@ -53,6 +59,33 @@ def verl_run(linear_cross_entropy):
         return logp.unsqueeze(1), entropy if case.entropy else None
 
     return run
+
+
+class _AddedToMainGrad(torch.autograd.Function):
+    """The weight as is in the forward; in the backward its gradient added into `main_grad` as
+    megatron-core's `DistributedDataParallel` hook adds a parameter's `.grad` (no gradient-accumulation
+    fusion), the weight getting no gradient of its own."""
+
+    @staticmethod
+    def forward(ctx, weight, main_grad):
+        ctx.main_grad = main_grad
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.main_grad.add_(grad)
+        return None, None
+
+
+def verl_main_grad_run(linear_cross_entropy):
+    """run(layer, workload) with verl's kernel, its weight gradient added into the workload's main_grad."""
+    run = verl_run(linear_cross_entropy)
+
+    def run_into_main_grad(layer, workload):
+        hidden, weight = layer
+        return run(type(layer)(hidden, _AddedToMainGrad.apply(weight, workload.main_grad)), workload)
+
+    return run_into_main_grad
 
 
 def run_liger_linear_cross_entropy(layer, workload):

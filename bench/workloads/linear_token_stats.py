@@ -143,9 +143,8 @@ class LinearWorkload:
         """(d hidden, d weight) of `loss` over `rows`: of the outputs' own loss when they carry one
         (d weight None when it went into main_grad)."""
         logp, entropy, *made = outputs
-        if made:
-            return torch.autograd.grad(made[0], list(layer), allow_unused=True)
-        return torch.autograd.grad(self.loss(logp, entropy, rows), list(layer))
+        loss = made[0] if made else self.loss(logp, entropy, rows)
+        return torch.autograd.grad(loss, list(layer), allow_unused=True)
 
     def errors(self, outputs, grads):
         """(forward, backward) relative errors against float64, row chunk by row chunk: forward the

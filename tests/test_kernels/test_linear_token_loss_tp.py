@@ -12,7 +12,9 @@ FUSEDRL_TEST_DEVICE says (gloo has no CUDA collectives).
 import pytest
 import torch
 from distributed import run_on_ranks
-from lm_head_cases import SeparableLoss, loss_with_grad, random_layer, rank_layer, truth_head, truth_loss_head
+from lm_head_cases import (
+    SeparableLoss, loss_with_grad, random_layer, rank_layer, truth_head, truth_loss_head, unfused_loss_head,
+)  # fmt: skip
 from numerics import rel_err
 from token_stats_cases import CollectiveCounter, make_ids
 
@@ -81,3 +83,33 @@ def test_each_rank_gets_the_truth_its_weight_slice_and_a_partial_hidden_gradient
         assert rel_err(partial_sum, truth_hidden) < 1e-5
         if selected:
             assert rel_err(results[0][2], truth_hidden) > 1e-2  # a partial sum, not the gradient
+
+
+def test_the_vocabulary_walk_takes_one_collective_and_is_no_worse_than_the_unfused_path():
+    """bf16 over several chunks whose fp32 weight-gradient sum would exceed the budget (0): every
+    rank walks its own shard's vocabulary, with one collective of partials however many chunks;
+    through megatron's region, its loss, statistics, weight slice and hidden-state gradient are no
+    worse against float64 than the unfused path's at tp = 1."""
+    world_size, num_rows, width, vocab_local = 2, 12, 64, 37
+    gen = torch.Generator().manual_seed(12)
+    hidden, weight = random_layer(num_rows, width, world_size * vocab_local, torch.bfloat16, gen, exact=True)
+    ids = make_ids(num_rows, world_size * vocab_local, 2, gen)
+    kwargs = dict(temperature=0.7, with_entropy=True, chunk_rows=4)
+    row_loss = SeparableLoss(truth_head(hidden, weight, ids, **kwargs).logp, gen)
+    truth, unfused = (loss_with_grad(head, hidden, weight, ids, row_loss, **kwargs)
+                      for head in (truth_loss_head, unfused_loss_head))  # fmt: skip
+
+    results = run_on_ranks(world_size, shard_worker, hidden, weight, ids, row_loss, dict(kwargs, weight_buffer_budget=0),
+                           True, False)  # fmt: skip
+    slack = 1e-6
+    for rank, (loss, stats, grad_hidden, grad_weight, _, forward_calls, _) in enumerate(results):
+        assert forward_calls == 1  # the walk: one all-gather of partials, not one per chunk
+        assert rel_err(loss, truth[0]) <= rel_err(unfused[0], truth[0]) + slack
+        for out, ref, base in zip(stats, truth[1], unfused[1]):
+            assert rel_err(out, ref) <= rel_err(base, ref) + slack
+        rank_rows = slice(rank * vocab_local, (rank + 1) * vocab_local)
+        ref_weight, base_weight = (GRAD_SCALE * grads[1][rank_rows] for grads in (truth[2], unfused[2]))
+        assert grad_weight.dtype == torch.bfloat16
+        assert rel_err(grad_weight, ref_weight) <= rel_err(base_weight, ref_weight) * 1.05 + slack
+        ref_hidden, base_hidden = (GRAD_SCALE * grads[0] for grads in (truth[2], unfused[2]))
+        assert rel_err(grad_hidden, ref_hidden) <= rel_err(base_hidden, ref_hidden) * 1.05 + slack

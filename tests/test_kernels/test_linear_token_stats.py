@@ -21,7 +21,7 @@ import_bench()
 from bench.harness.memory import TensorTally  # noqa: E402
 
 from fusedrl.kernels import TokenStats, linear_token_stats, token_stats, token_stats_reference
-from fusedrl.kernels.linear_token_stats import default_chunk_rows
+from fusedrl.kernels.linear_token_stats import UPCAST_SHARE, add_product_fp32, default_chunk_rows
 
 FP32_TOL = 1e-5
 
@@ -215,6 +215,54 @@ def test_low_precision_weight_gradient_sums_in_fp32_on_every_device():
     from fusedrl.kernels.linear_token_stats import _adds_low_precision_products_in_fp32
 
     assert _adds_low_precision_products_in_fp32("cpu", torch.bfloat16) is False
+
+
+@pytest.mark.parametrize("shape", [(300, 8, 16), (7, 40, 3)])  # a weight gradient's rows; a tall inner dimension
+def test_cpu_fp32_sums_of_low_precision_products_are_exact_and_hold_small_copies(shape):
+    """acc += a @ b for bf16 a, b on CPU (no bf16 x bf16 -> fp32 GEMM there): the same bits as the
+    product of the exact fp32 copies, added once, and copies of at most 1 + UPCAST_SHARE times b's
+    elements when b is small next to a (each row of acc read and written once), else of a quarter
+    of a's."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    rows, inner, width = shape
+    a = torch.randn((rows, inner), generator=gen).bfloat16()
+    b = torch.randn((inner, width), generator=gen).bfloat16()
+    start = torch.randn((rows, width), generator=gen)
+    acc = start.clone()
+    with TensorTally() as tally:
+        add_product_fp32(acc, a, b)
+    small_b = inner * width * UPCAST_SHARE <= a.numel()
+    if small_b:
+        assert torch.equal(acc, start.addmm(a.float(), b.float()))
+        assert tally.peak() <= (1 + UPCAST_SHARE) * b.numel() * 4 < a.numel() * 4
+    else:
+        assert rel_err(acc, start.double() + a.double() @ b.double()) < 1e-6
+        assert tally.peak() <= a.numel() // UPCAST_SHARE * 4
+
+
+@pytest.mark.host_bookkeeping
+def test_one_slice_writes_the_hidden_gradient_by_one_gemm_with_no_fp32_copies(device):
+    """Every selected row in one chunk, so one slice spans the vocabulary: its GEMM writes d hidden
+    in the layer's dtype (rounded once, as the unfused path does) and d weight, so the bf16 backward
+    holds beyond its returned gradients the slice of logits and per-row bookkeeping only, no fp32
+    sum or copy; and d hidden is within one rounding of the fp32 product of the same logits gradient."""
+    gen = torch.Generator().manual_seed(8)
+    num_rows, width, vocab, num_ids = 24, 16, 2000, 2
+    hidden, weight = random_layer(num_rows, width, vocab, torch.bfloat16, gen)
+    ids = make_ids(num_rows, vocab, num_ids, gen).to(device)
+    hidden = hidden.to(device).requires_grad_(True)
+    weight = weight.to(device).requires_grad_(True)
+    with TensorTally() as tally:
+        stats = linear_token_stats(hidden, weight, ids, with_entropy=True, chunk_rows=num_rows)
+        gc.collect()  # the Triton interpreter's argument closures keep launched tensors in a cycle
+        tally.reset_peak()
+        grads = torch.autograd.grad(stats.logp.sum() + stats.entropy.sum(), [hidden, weight])
+        backward_peak = tally.peak() - sum(g.numel() * g.element_size() for g in grads)
+    assert backward_peak <= num_rows * vocab * 2 + 16 * num_rows * (3 + num_ids) * 8
+    logits = (hidden.detach().double() @ weight.detach().double().t()).requires_grad_(True)
+    truth = token_stats_reference(logits, ids, with_entropy=True)
+    (grad_logits,) = torch.autograd.grad(truth.logp.sum() + truth.entropy.sum(), [logits])
+    assert rel_err(grads[0], grad_logits @ weight.detach().double()) < 2e-2  # bf16 operands and result
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,7 +17,8 @@ through the schedule (no grad mode: every `main_grad` stays zero), then each ste
 `get_forward_backward_func()` (no pipelining, 1F1B `forward_backward_pipelining_without_interleaving`
 or the interleaved schedule, by the parallel sizes) with `finalize_model_grads`, and returns every
 parameter's `main_grad` after each step, the gradient of the hidden states entering the output layer
-per micro-batch, the output weight's `main_grad` after the first loss ran (before its backward), and
+per micro-batch, the output weight's `main_grad` after the first loss ran (before its backward) and its
+`grad_added_to_main_grad` after the first step's backward, and
 the error a loss the schedule scales by something else raises (without pipeline stages). The CUDA device megatron-core asks
 for by name is the CPU here (`distributed.cuda_on_cpu`).
 """
@@ -67,6 +68,7 @@ class Setup(NamedTuple):
     dynamic: bool = False  # --use-dynamic-batch-size: micro-batches packed by slime's build_dp_schedule
     steps: tuple = FIXED_STEPS  # without dynamic batch size
     unwrapped_from: Optional[int] = None  # the micro-batch from which the loss runs outside slime's wrapper
+    estimator: str = "grpo"  # --advantage-estimator; gspo's sequence-level ratio takes the recompute path
 
     @property
     def per_token(self) -> bool:
@@ -266,7 +268,7 @@ def _loss_args(setup: Setup):
     divisor = {} if setup.divisor is None else dict(loss_aggregation_divisor=setup.divisor)
     return slime_args(
         eps_clip_c=3.0, loss_aggregation=setup.aggregation, calculate_per_token_loss=setup.per_token,
-        recompute_loss_function=setup.recompute, **regularisers, **divisor,
+        recompute_loss_function=setup.recompute, advantage_estimator=setup.estimator, **regularisers, **divisor,
     )  # fmt: skip
 
 
@@ -350,6 +352,7 @@ def _one_path(info, setup: Setup, fused: bool) -> dict:
             results.setdefault("untouched by forward-only", all(not bool(p.main_grad.any()) for p in params.values()))
             seen = _run_step(chunks, setup, args, batches, count, global_size)
             results.setdefault("after first loss", seen.get("after first loss"))
+            results.setdefault("grad_added_to_main_grad", getattr(chunks.weight, "grad_added_to_main_grad", None))
             results["main_grads"].append({name: p.main_grad.clone() for name, p in params.items()})
             results.setdefault("grads left", [name for name, p in params.items() if p.grad is not None])
         results["hidden_grads"] = list(hidden_grads)

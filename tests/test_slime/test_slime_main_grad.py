@@ -15,7 +15,8 @@ without (slime's default: the fp16 grad buffer, the op's buffer at the provision
 batch size (micro-batches packed by slime's own `build_dp_schedule`, two steps of different sizes).
 The output weight's gradient went into `main_grad` during the forward where an fp32 `main_grad` is
 there (its `.grad` only carried megatron's dummy), except under --recompute-loss-function (slime's
-checkpoint runs the loss twice: the per-call buffer); a loss the schedule scales by other than slime's
+checkpoint runs the loss twice: the per-call buffer); on the recompute path (GSPO's sequence-level
+ratio needs the whole micro-batch first) it goes there in the backward, that flag or not; a loss the schedule scales by other than slime's
 chain raises naming both on the main_grad path; forward-only passes leave every `main_grad` untouched.
 Pipeline and virtual-pipeline stages, and tp x cp: tests/test_slime/test_slime_main_grad_parallel.py.
 """
@@ -46,6 +47,11 @@ CASES = {
     "gpt-overlap-tied": Setup(model="gpt", overlap=True, tied=True),
     "gpt-no_overlap-untied": Setup(model="gpt"),
     "recompute_loss_function": Setup(overlap=True, recompute=True),
+    "recompute_path-overlap-tied": Setup(estimator="gspo", overlap=True, tied=True),
+    "recompute_path-distributed_optimizer-recompute_loss_function": Setup(
+        estimator="gspo", distributed_optimizer=True, overlap=True, recompute=True
+    ),
+    "recompute_path-bf16-fp32_main_grad": Setup(estimator="gspo", dtype="bf16", overlap=True),
     **{
         f"distributed_optimizer-{'overlap' if overlap else 'no_overlap'}-{'tied' if tied else 'untied'}": Setup(
             distributed_optimizer=True, overlap=overlap, tied=tied
@@ -69,15 +75,18 @@ def test_main_grad_equals_the_unfused_path(name):
     setup = CASES[name]
     rank_results = get_pool(1, 1, dp=2).run(step_results, setup)
     assert_fused_matches_unfused(rank_results, TOLERANCES[setup.dtype])
-    into_main_grad = setup.main_grad_fp32 and not setup.recompute
+    recompute_path = setup.estimator == "gspo"
+    in_forward = setup.main_grad_fp32 and not setup.recompute and not recompute_path
     param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[setup.dtype]
     for results in rank_results:
         unfused, fused = results[False], results[True]
         assert fused["weight dtype"] == (param_dtype, torch.float32 if setup.main_grad_fp32 else param_dtype)
         assert not bool(unfused["after first loss"].any())
         # the one-pass forward added the weight gradient into an fp32 main_grad, else the op's buffer
-        assert bool(fused["after first loss"].any()) == into_main_grad
-        if into_main_grad:
+        assert bool(fused["after first loss"].any()) == in_forward
+        # the recompute path's backward adds it there, --recompute-loss-function or not
+        assert fused["grad_added_to_main_grad"] == (setup.main_grad_fp32 and (recompute_path or not setup.recompute))
+        if in_forward:
             assert "grad_scale" in fused["scale error"] and "incoming gradient" in fused["scale error"]
         else:
             assert fused["scale error"] is None  # a provisional scale: the backward rescales by what arrives
