@@ -132,8 +132,7 @@ def check_main_grad(main_grad, weight) -> None:
 
 
 class _GradIntoMainGrad(torch.autograd.Function):
-    """The weight as is in the forward; its gradient added into `main_grad` (fp32) in the backward
-    instead of becoming `.grad`: the unfused path's way to honour `main_grad`."""
+    """`grad_into_main_grad` as an autograd function."""
 
     @staticmethod
     def forward(ctx, weight, main_grad):
@@ -142,8 +141,15 @@ class _GradIntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.main_grad.add_(grad.float())
+        ctx.main_grad.add_(grad)  # each element widened exactly, no fp32 copy of the gradient
         return None, None
+
+
+def grad_into_main_grad(weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+    """The weight as is in the forward; in the backward its gradient is added into `main_grad` (fp32)
+    instead of becoming `.grad`, as megatron-core's DistributedDataParallel hook adds a layer's
+    `.grad`: the unfused path's way to honour `main_grad`."""
+    return _GradIntoMainGrad.apply(weight, main_grad)
 
 
 def _check_layer(hidden, weight, chunk_rows) -> None:
@@ -473,7 +479,7 @@ def linear_token_stats(
     check_main_grad(main_grad, weight)
     if not uses_triton(hidden, "linear_token_stats"):
         if main_grad is not None and weight.requires_grad:
-            weight = _GradIntoMainGrad.apply(weight, main_grad)
+            weight = grad_into_main_grad(weight, main_grad)
         return token_stats(
             hidden @ weight.t(),
             ids,

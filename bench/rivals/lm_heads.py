@@ -23,8 +23,6 @@ gradients apply to.
 
 import gc
 
-import torch
-
 
 def _sampled_ids(workload):
     return workload.ids[:, 0].contiguous()
@@ -61,29 +59,16 @@ def verl_run(linear_cross_entropy):
     return run
 
 
-class _AddedToMainGrad(torch.autograd.Function):
-    """The weight as is in the forward; in the backward its gradient added into `main_grad` as
-    megatron-core's `DistributedDataParallel` hook adds a parameter's `.grad` (no gradient-accumulation
-    fusion), the weight getting no gradient of its own."""
-
-    @staticmethod
-    def forward(ctx, weight, main_grad):
-        ctx.main_grad = main_grad
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.main_grad.add_(grad)
-        return None, None
-
-
 def verl_main_grad_run(linear_cross_entropy):
-    """run(layer, workload) with verl's kernel, its weight gradient added into the workload's main_grad."""
+    """run(layer, workload) with verl's kernel, its weight gradient added into the workload's main_grad
+    as megatron-core's DistributedDataParallel hook adds a `.grad`."""
+    from fusedrl.kernels.linear_token_stats import grad_into_main_grad
+
     run = verl_run(linear_cross_entropy)
 
     def run_into_main_grad(layer, workload):
         hidden, weight = layer
-        return run(type(layer)(hidden, _AddedToMainGrad.apply(weight, workload.main_grad)), workload)
+        return run(type(layer)(hidden, grad_into_main_grad(weight, workload.main_grad)), workload)
 
     return run_into_main_grad
 

@@ -1,5 +1,5 @@
-"""The rivals of the fused LM head (bench/rivals): verl's linear cross-entropy and Liger's fused
-linear losses, run by the bench on its LM-head workload and checked against float64.
+"""The rivals of the fused LM head (bench/rivals): verl's linear cross-entropy (its weight gradient
+returned, or added to main_grad as megatron-core does) and Liger's fused linear losses, run by the bench on its LM-head workload and checked against float64.
 
 fp32 is held to 1e-5 (relative, with the workload's floor), bf16 to three times the unfused eager
 path's error on the same inputs: enough to catch a rival wired wrong (an unapplied temperature, a
@@ -18,7 +18,7 @@ from bench.harness.measure import measure_case, profile  # noqa: E402
 from bench.subjects import Unavailable, make_subjects, refusal_notes  # noqa: E402
 from bench.workloads.linear_token_stats import LinearCase, LinearWorkload  # noqa: E402
 
-RIVALS = ("verl", "liger_flce", "liger_scaled")
+RIVALS = ("verl", "verl_main_grad", "liger_flce", "liger_scaled")
 CPU = torch.device("cpu")
 
 
@@ -54,6 +54,19 @@ def test_verl_gemms_are_counted_in_the_interpreter():
     case = _case("verl", "fp32")
     figures = profile(_subject("verl"), LinearWorkload.make(case, CPU), count_bytes=False)
     assert figures["fwd"]["gemm_flops"] >= 2 * case.tokens * case.vocab * case.hidden
+
+
+def test_verl_main_grad_adds_verls_weight_gradient_to_main_grad_as_megatrons_hook_does():
+    """verl_main_grad: d hidden as verl's, no d weight returned, and the workload's fp32 main_grad
+    holding verl's bf16 weight gradient, widened exactly (added once to zeros)."""
+    verl, into_main_grad = _subject("verl"), _subject("verl_main_grad")
+    workload = LinearWorkload.make(_case("verl", "bf16"), CPU)
+    layer = workload.leaf()
+    grad_hidden, grad_weight = workload.backward(layer, verl.run(layer, workload))
+    layer = workload.leaf()  # main_grad zeroed
+    grads = workload.backward(layer, into_main_grad.run(layer, workload))
+    assert grads[1] is None and torch.equal(grads[0], grad_hidden)
+    assert workload.main_grad.dtype == torch.float32 and torch.equal(workload.main_grad, grad_weight.float())
 
 
 def test_rivals_refuse_what_they_cannot_run():

@@ -217,6 +217,23 @@ def test_low_precision_weight_gradient_sums_in_fp32_on_every_device():
     assert _adds_low_precision_products_in_fp32("cpu", torch.bfloat16) is False
 
 
+def bf16_layer(num_rows, width, vocab, num_ids, gen, device):
+    """(hidden, weight, ids) of a random bf16 layer on `device`, both layer tensors requiring grad."""
+    hidden, weight = random_layer(num_rows, width, vocab, torch.bfloat16, gen)
+    ids = make_ids(num_rows, vocab, num_ids, gen).to(device)
+    return hidden.to(device).requires_grad_(True), weight.to(device).requires_grad_(True), ids
+
+
+def gradients_and_backward_peak(hidden, weight, ids, chunk_rows):
+    """(d hidden, d weight) of sum(logp) + sum(entropy) and the backward's peak allocation beyond them."""
+    with TensorTally() as tally:
+        stats = linear_token_stats(hidden, weight, ids, with_entropy=True, chunk_rows=chunk_rows)
+        gc.collect()  # the Triton interpreter's argument closures keep launched tensors in a cycle
+        tally.reset_peak()
+        grads = torch.autograd.grad(stats.logp.sum() + stats.entropy.sum(), [hidden, weight])
+        return grads, tally.peak() - sum(g.numel() * g.element_size() for g in grads)
+
+
 @pytest.mark.parametrize("shape", [(300, 8, 16), (7, 40, 3)])  # a weight gradient's rows; a tall inner dimension
 def test_cpu_fp32_sums_of_low_precision_products_are_exact_and_hold_small_copies(shape):
     """acc += a @ b for bf16 a, b on CPU (no bf16 x bf16 -> fp32 GEMM there): the same bits as the
@@ -248,16 +265,8 @@ def test_one_slice_writes_the_hidden_gradient_by_one_gemm_with_no_fp32_copies(de
     sum or copy; and d hidden is within one rounding of the fp32 product of the same logits gradient."""
     gen = torch.Generator().manual_seed(8)
     num_rows, width, vocab, num_ids = 24, 16, 2000, 2
-    hidden, weight = random_layer(num_rows, width, vocab, torch.bfloat16, gen)
-    ids = make_ids(num_rows, vocab, num_ids, gen).to(device)
-    hidden = hidden.to(device).requires_grad_(True)
-    weight = weight.to(device).requires_grad_(True)
-    with TensorTally() as tally:
-        stats = linear_token_stats(hidden, weight, ids, with_entropy=True, chunk_rows=num_rows)
-        gc.collect()  # the Triton interpreter's argument closures keep launched tensors in a cycle
-        tally.reset_peak()
-        grads = torch.autograd.grad(stats.logp.sum() + stats.entropy.sum(), [hidden, weight])
-        backward_peak = tally.peak() - sum(g.numel() * g.element_size() for g in grads)
+    hidden, weight, ids = bf16_layer(num_rows, width, vocab, num_ids, gen, device)
+    grads, backward_peak = gradients_and_backward_peak(hidden, weight, ids, num_rows)
     assert backward_peak <= num_rows * vocab * 2 + 16 * num_rows * (3 + num_ids) * 8
     logits = (hidden.detach().double() @ weight.detach().double().t()).requires_grad_(True)
     truth = token_stats_reference(logits, ids, with_entropy=True)
@@ -352,18 +361,10 @@ def test_low_precision_backward_holds_one_slice_of_logits_and_no_weight_sized_su
     chunks it once held (4 V H bytes, 4x the chunk here)."""
     gen = torch.Generator().manual_seed(5)
     num_rows, width, vocab, num_ids, chunk = 64, 16, 2000, 3, 8
-    hidden, weight = random_layer(num_rows, width, vocab, torch.bfloat16, gen)
-    ids = make_ids(num_rows, vocab, num_ids, gen).to(device)
-    hidden = hidden.to(device).requires_grad_(True)
-    weight = weight.to(device).requires_grad_(True)
+    hidden, weight, ids = bf16_layer(num_rows, width, vocab, num_ids, gen, device)
     chunk_logits = chunk * vocab * 2
     upcast = chunk_logits // 2  # CPU only: the fp32 copies of `add_product_fp32`, a quarter of a chunk's elements
     bookkeeping = 16 * num_rows * (3 + num_ids) * 8 + num_rows * width * 4  # the rows' fp32 d hidden sums
-    with TensorTally() as tally:
-        stats = linear_token_stats(hidden, weight, ids, with_entropy=True, chunk_rows=chunk)
-        gc.collect()  # the Triton interpreter's argument closures keep launched tensors in a cycle
-        tally.reset_peak()
-        grads = torch.autograd.grad(stats.logp.sum() + stats.entropy.sum(), [hidden, weight])
-        backward_peak = tally.peak() - sum(g.numel() * g.element_size() for g in grads)
+    _, backward_peak = gradients_and_backward_peak(hidden, weight, ids, chunk)
     assert backward_peak <= chunk_logits + upcast + bookkeeping
     assert chunk_logits + upcast + bookkeeping < vocab * width * 4
