@@ -161,14 +161,16 @@ def scaled(head, scale):
 FP16_WEIGHT, FP16_INCOMING = 1 / 4000, 2.0**16 / 32  # a 4000-token response; a loss scale of 2^16 over 32 micro-batches
 
 
-@pytest.mark.parametrize("path", ["buffer", "written", "main_grad"])
+@pytest.mark.parametrize("path", ["buffer", "written", "main_grad", "walk"])
 def test_fp16_at_a_loss_scale_no_worse_than_the_unfused_path(path, device):
     """fp16 at realistic per-token weights and loss scales: the provisional grad_scale (no main_grad) and
     the main_grad path form the fp16 logits gradient at the incoming scale, as the unfused path does; at
     unit scale (no grad_scale) its small entries flush to zero (hidden-gradient errors 17-22x the unfused
     path's, weight gradient 2.7-3.7x). Bar: the unfused fp16 path's error against float64, the median
     over five seeds of the ratio at most 1.25 (the two paths round alike: ratios of 1.00). "buffer":
-    two chunks, the weight gradient summed in fp32; "written": one chunk, written by its GEMM in fp16."""
+    two chunks, the weight gradient summed in fp32; "written": one chunk, written by its GEMM in fp16;
+    "walk": two chunks whose fp32 sum exceeds the budget (0), the vocabulary walked, each slice written
+    in fp16."""
     per_seed = {"d hidden": [], "d weight": []}
     for seed in range(5):
         chunk_rows = 16 if path == "written" else 8
@@ -180,8 +182,9 @@ def test_fp16_at_a_loss_scale_no_worse_than_the_unfused_path(path, device):
         moved = [t.to(device) for t in (hidden, weight, ids)]
         hidden_leaf, weight_leaf = moved[0].requires_grad_(), moved[1].requires_grad_()
         main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=device) if path == "main_grad" else None
+        budget = 0 if path == "walk" else WEIGHT_BUFFER_BUDGET
         result = linear_token_loss(hidden_leaf, weight_leaf, moved[2], row_loss.to(device), main_grad=main_grad,
-                                   grad_scale=FP16_INCOMING, **kwargs)  # fmt: skip
+                                   grad_scale=FP16_INCOMING, weight_buffer_budget=budget, **kwargs)  # fmt: skip
         (result.loss * torch.tensor(FP16_INCOMING, device=device)).backward()
         grads = (hidden_leaf.grad, weight_leaf.grad if main_grad is None else main_grad)
         assert grads[0].dtype == torch.float16
