@@ -16,7 +16,8 @@ batch size (micro-batches packed by slime's own `build_dp_schedule`, two steps o
 The output weight's gradient went into `main_grad` during the forward where an fp32 `main_grad` is
 there (its `.grad` only carried megatron's dummy), except under --recompute-loss-function (slime's
 checkpoint runs the loss twice: the per-call buffer); on the recompute path (GSPO's sequence-level
-ratio needs the whole micro-batch first) it goes there in the backward, that flag or not; a loss the schedule scales by other than slime's
+ratio needs the whole micro-batch first; bf16, and fp16 at a loss scale of 2^16) it goes there in the
+backward, that flag or not; a loss the schedule scales by other than slime's
 chain raises naming both on the main_grad path; forward-only passes leave every `main_grad` untouched.
 Pipeline and virtual-pipeline stages, and tp x cp: tests/test_slime/test_slime_main_grad_parallel.py.
 """
@@ -52,6 +53,7 @@ CASES = {
         estimator="gspo", distributed_optimizer=True, overlap=True, recompute=True
     ),
     "recompute_path-bf16-fp32_main_grad": Setup(estimator="gspo", dtype="bf16", overlap=True),
+    "recompute_path-fp16-fp32_main_grad": Setup(estimator="gspo", **FP16),
     **{
         f"distributed_optimizer-{'overlap' if overlap else 'no_overlap'}-{'tied' if tied else 'untied'}": Setup(
             distributed_optimizer=True, overlap=overlap, tied=tied
