@@ -18,7 +18,7 @@ from bench.harness.measure import measure_case, profile  # noqa: E402
 from bench.subjects import Unavailable, make_subjects, refusal_notes  # noqa: E402
 from bench.workloads.linear_token_stats import LinearCase, LinearWorkload  # noqa: E402
 
-RIVALS = ("verl", "verl_main_grad", "liger_flce", "liger_scaled")
+RIVALS = ("verl", "liger_flce", "liger_scaled")  # verl_main_grad: verl's, added to main_grad (tested below)
 CPU = torch.device("cpu")
 
 

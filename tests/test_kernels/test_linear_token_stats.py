@@ -234,6 +234,7 @@ def gradients_and_backward_peak(hidden, weight, ids, chunk_rows):
         return grads, tally.peak() - sum(g.numel() * g.element_size() for g in grads)
 
 
+@pytest.mark.host_bookkeeping
 @pytest.mark.parametrize("shape", [(300, 8, 16), (7, 40, 3)])  # a weight gradient's rows; a tall inner dimension
 def test_cpu_fp32_sums_of_low_precision_products_are_exact_and_hold_small_copies(shape):
     """acc += a @ b for bf16 a, b on CPU (no bf16 x bf16 -> fp32 GEMM there): the same bits as the
