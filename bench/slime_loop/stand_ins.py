@@ -114,7 +114,8 @@ def _fill_ray(module) -> None:
     """Ray: an actor is the plain class (`ray.remote` returns what it decorates) and the object
     store is the identity (`ray.put` / `ray.get` hand the object back), so slime's actors run in
     the calling process, on this machine; `ActorHandle` gives them the `.remote()` calls of a Ray
-    handle."""
+    handle; `ray.kill` ends nothing (the killed actor's handle is dropped by its caller, slime's
+    `RayTrainGroup.release`)."""
 
     def remote(*args, **kwargs):
         if len(args) == 1 and not kwargs and callable(args[0]):
@@ -125,6 +126,7 @@ def _fill_ray(module) -> None:
     module.put = lambda value, **kwargs: value
     module.get = lambda ref, **kwargs: ref
     module.is_initialized = lambda: False
+    module.kill = lambda actor, **kwargs: None
     module.get_gpu_ids = lambda: [0]  # the one train actor's slot (slime's train_actor.py reads it)
     # the node's address, where slime's actors pick a rendezvous port: this machine
     module._private = types.SimpleNamespace(services=types.SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1"))

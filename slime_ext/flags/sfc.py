@@ -1,13 +1,17 @@
 """The --sfc-* flags: registered on slime's parser and checked at startup.
 
 When the SFC loss is configured, the checks install SFC's rollout side as slime's
---custom-generate-function-path (moving a user's generate function behind it) and return the
---loss-aggregation mode --sfc-loss-agg-mode stands for, for the aggregation checks to apply.
+--custom-generate-function-path (moving a user's generate function behind it) and its refusal
+counts as slime's --custom-rollout-log-function-path (moving a user's log function behind it),
+refuse the modes whose tokens can have no age (a replayed rollout: its weight versions are
+another job's), and return the --loss-aggregation mode --sfc-loss-agg-mode stands for, for the
+aggregation checks to apply.
 """
 
 import math
 from typing import Optional
 
+from ..rollout.refusals import LOG_PATH, USER_LOG_ATTR
 from . import check_rollout_temperature, custom_loss_is
 from .aggregation import Implied, PerTokenSwitch
 
@@ -15,7 +19,15 @@ LOSS_PATHS = ("fusedrl.slime_ext.losses.sfc_loss", "fusedrl.slime_ext.losses.sfc
 GENERATE_PATH = "fusedrl.slime_ext.rollout.sfc_draws.generate"
 # --sfc-loss-agg-mode -> (--loss-aggregation, --loss-aggregation-divisor)
 AGG_MODES = {"sample-mean": ("sample_mean", None), "token-mean": ("token_mean", None), "token-sum": ("constant", 1.0)}
-FLAGS = ("sfc_num_auxiliary_token_samples", "sfc_kl_beta", "sfc_loss_agg_mode", "sfc_inner_generate_function_path")
+FLAGS = (
+    "sfc_num_auxiliary_token_samples", "sfc_kl_beta", "sfc_loss_agg_mode", "sfc_inner_generate_function_path",
+    "sfc_max_refused_frac",
+)  # fmt: skip
+# slime's flags that train on a rollout dumped by another job (its tokens' weight versions are that job's)
+REPLAY_FLAGS = {
+    "--load-debug-rollout-data": "load_debug_rollout_data",
+    "--load-forge-rollout-data": "load_forge_rollout_data",
+}
 
 
 def uses_sfc(args) -> bool:
@@ -58,6 +70,15 @@ def add_arguments(parser):
         help="The generate function SFC's rollout wrapper calls (default: slime's "
         "slime.rollout.sglang_rollout.generate; a --custom-generate-function-path given is moved here).",
     )
+    parser.add_argument(
+        "--sfc-max-refused-frac",
+        type=float,
+        metavar="FRAC",
+        default=None,
+        help="The largest fraction of a rollout's training samples SFC's rollout side may refuse (an engine no "
+        "push has reached, a malformed answer) before the job stops with the causes; every refusal is logged as "
+        "sfc/refused_* rollout metrics. Default 0: any refusal stops the job.",
+    )
     return parser
 
 
@@ -74,9 +95,14 @@ def validate_args(args) -> Optional[Implied]:
     beta = args.sfc_kl_beta
     if beta is None or not math.isfinite(float(beta)) or float(beta) < 0:
         raise ValueError(f"--sfc-kl-beta must be finite and >= 0 with the SFC loss, got {beta!r}")
+    refused = args.sfc_max_refused_frac
+    if refused is not None and not 0 <= float(refused) < 1:
+        raise ValueError(f"--sfc-max-refused-frac must be in [0, 1), got {refused!r}")
     _check_untruncated_sampling(args)
     _reject_ratio_corrections(args)
+    _reject_replayed_rollouts(args)
     _install_generate_wrapper(args)
+    _install_rollout_log(args)
     mode = args.sfc_loss_agg_mode
     return None if mode is None else Implied(*AGG_MODES[mode], flag=f"--sfc-loss-agg-mode {mode}")
 
@@ -99,6 +125,22 @@ def _reject_ratio_corrections(args) -> None:
         raise ValueError(
             f"{given[0]} corrects an importance ratio, which the SFC loss ({LOSS_PATHS[0]}) does not have: "
             "it would not apply it; use the policy loss for slime's off-policy corrections"
+        )
+
+
+def _reject_replayed_rollouts(args) -> None:
+    """A rollout replayed from a dump, or none generated at all: no token age this job can measure."""
+    for flag, dest in REPLAY_FLAGS.items():
+        if getattr(args, dest, None):
+            raise ValueError(
+                f"{flag} {getattr(args, dest)} replays a dumped rollout: its tokens carry the weight versions of "
+                "the job that dumped it, which this job's pushes number anew (1, 2, ...), so SFC's ages would be "
+                "measured from the wrong push; the SFC loss trains on rollouts this job generates"
+            )
+    if getattr(args, "debug_train_only", False):
+        raise ValueError(
+            "--debug-train-only pushes no weights and generates no rollout, so SFC's tokens can have no age; "
+            "the SFC loss trains on rollouts this job generates"
         )
 
 
@@ -127,3 +169,11 @@ def _install_generate_wrapper(args) -> None:
             )
         args.sfc_inner_generate_function_path = current
     args.custom_generate_function_path = GENERATE_PATH
+
+
+def _install_rollout_log(args) -> None:
+    """The refusal counts through slime's rollout log function, a user's own one run after them."""
+    current = getattr(args, "custom_rollout_log_function_path", None)
+    if current is not None and current != LOG_PATH:
+        setattr(args, USER_LOG_ATTR, current)
+    args.custom_rollout_log_function_path = LOG_PATH

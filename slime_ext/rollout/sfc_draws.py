@@ -17,7 +17,11 @@ slime_ext/carry.py, per response token:
 
 Tokens the inner function appends without generating them (a multi-turn tool observation) must be
 loss-masked; they get the token itself as draws (a zero centered score) and version -1 (no age).
-Evaluation requests pass through untouched.
+An engine no push has reached answers SGLang's weight version `"default"`: under
+--update-weight-mode delta those are the base the delta updater captured before its first push
+(`age.ENGINE_DEFAULT_VERSION`), in any other mode weights no push of this trainer gave (an engine
+restarted by --use-fault-tolerance on --hf-checkpoint), whose tokens have no age: refused.
+Every refused training sample is counted (`refusals`). Evaluation requests pass through untouched.
 """
 
 import contextvars
@@ -29,11 +33,14 @@ import torch
 
 from ...sglang_plugin.client import parse_token_samples
 from .. import carry
+from ..age import ENGINE_DEFAULT_VERSION
 from ..carry import SFC_DRAWS_KEY, SFC_VERSIONS_KEY
 from ..callables import load_function
+from .refusals import TALLY, RefusedSample
 
 DEFAULT_INNER = "slime.rollout.sglang_rollout.generate"
 NOT_GENERATED = -1  # version of response tokens no /generate call produced
+SGLANG_DEFAULT_VERSION = "default"  # SGLang's weight_version before any weight update
 _CAPTURE: contextvars.ContextVar = contextvars.ContextVar("fusedrl_sfc_capture", default=None)
 _WRAP_MARK = "_fusedrl_requests_draws"
 
@@ -72,8 +79,23 @@ async def generate(args, sample, sampling_params, evaluation=False):
         sample = await inner(args, sample, sampling_params, **kwargs)
     finally:
         _CAPTURE.reset(token)
-    attach_draws(sample, before, capture.meta_infos, capture.num_draws)
+    try:
+        attach_draws(sample, before, capture.meta_infos, capture.num_draws, engine_default_version(args))
+    except RefusedSample as refusal:
+        TALLY.refuse(refusal)
+        raise
+    except ValueError as error:
+        refusal = RefusedSample("malformed_answer", str(error))
+        TALLY.refuse(refusal)
+        raise refusal from error
+    TALLY.accept()
     return sample
+
+
+def engine_default_version(args):
+    """The version of SGLang's "default" weights: the delta updater's captured base under
+    --update-weight-mode delta, else None (no push of this trainer gave them)."""
+    return ENGINE_DEFAULT_VERSION if getattr(args, "update_weight_mode", "full") == "delta" else None
 
 
 def _request_draws_through(inner) -> None:
@@ -104,11 +126,13 @@ def requesting_draws(post):
     return post_requesting_draws
 
 
-def attach_draws(sample, before: int, meta_infos: List[dict], num_draws: int) -> None:
+def attach_draws(sample, before: int, meta_infos: List[dict], num_draws: int, default_version=None) -> None:
     """Append draws and versions for response tokens [before, response_length) to the sample.
 
     The generated segments (one per /generate answer) must appear in order among the new tokens;
-    tokens between them are untrained filler (loss mask 0). Raises ValueError otherwise.
+    tokens between them are untrained filler (loss mask 0). Raises ValueError otherwise, and
+    RefusedSample for an answer of SGLang's "default" weights when `default_version` (their
+    version) is None.
     """
     tokens = list(sample.tokens[len(sample.tokens) - sample.response_length :]) if sample.response_length else []
     mask = list(sample.loss_mask) if sample.loss_mask is not None else [1] * sample.response_length
@@ -120,7 +144,8 @@ def attach_draws(sample, before: int, meta_infos: List[dict], num_draws: int) ->
         start = _find_segment(tokens, mask, position, generated, call)
         _append_filler(draws, versions, tokens[position:start], num_draws)
         draws.append(parsed.draw_ids)
-        versions.append(torch.full((len(generated),), _version(parsed.weight_version, call), dtype=torch.int64))
+        version = _version(parsed.weight_version, call, default_version)
+        versions.append(torch.full((len(generated),), version, dtype=torch.int64))
         position = start + len(generated)
     if any(mask[position:]):
         raise ValueError(
@@ -166,7 +191,17 @@ def _append_filler(draws: list, versions: list, filler: List[int], num_draws: in
         versions.append(torch.full((len(filler),), NOT_GENERATED, dtype=torch.int64))
 
 
-def _version(weight_version, call: int) -> int:
+def _version(weight_version, call: int, default_version) -> int:
+    if str(weight_version) == SGLANG_DEFAULT_VERSION:
+        if default_version is None:
+            raise RefusedSample(
+                "unpushed_engine",
+                f"/generate answer {call} came from an engine no weight push has reached (weight_version "
+                f"{SGLANG_DEFAULT_VERSION!r}: SGLang's initial weights, --hf-checkpoint, e.g. an engine restarted by "
+                "--use-fault-tolerance before its first push); this trainer never pushed them, so their tokens have "
+                "no SFC age",
+            )
+        return default_version
     try:
         return int(str(weight_version))
     except ValueError:

@@ -231,6 +231,7 @@ def slime_args(**overrides) -> Namespace:
         rollout_function_path="fusedrl.slime_ext.rollout.prompt_groups.generate_rollout",
         loss_aggregation_inner_rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
         custom_generate_function_path="fusedrl.slime_ext.rollout.sfc_draws.generate",
+        custom_rollout_log_function_path="fusedrl.slime_ext.rollout.refusals.log_rollout_data",
     )
     args.update(overrides)
     if args["eps_clip_high"] is None:

@@ -118,3 +118,107 @@ def test_a_version_pushed_twice_is_an_error():
     clock.start_step()
     with pytest.raises(ValueError, match="version 1"):
         clock.record_push(1)
+
+
+class FailingUpdater(FakeUpdater):
+    """A push that takes its new version number, then raises part way (an engine lost mid-push)."""
+
+    def update_weights(self):
+        self.weight_version += 1
+        raise RuntimeError("engine 1 did not answer")
+
+
+class DeltaUpdater(FakeUpdater):
+    """slime's delta updater's protocol: the first call captures the engines' base, pushes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self._baseline_captured = False
+
+    def update_weights(self):
+        if not self._baseline_captured:
+            self._baseline_captured = True
+            return
+        self.weight_version += 1
+
+
+def wrapped(cls):
+    """`cls` with its update_weights wrapped as `install` wraps slime's updaters."""
+    return type(cls.__name__, (cls,), {"update_weights": age.records_pushes(cls.update_weights)})
+
+
+def test_a_push_that_raises_part_way_is_refused_by_name(slime_world):
+    args, updater = slime_world
+    updater.update_weights()  # v1
+    failing = wrapped(FailingUpdater)()
+    failing.weight_version = 1
+    step(args)
+    with pytest.raises(RuntimeError, match="did not answer"):  # slime's error, unchanged
+        failing.update_weights()  # v2 taken, not delivered
+    assert age.CLOCK.failed_pushes == {2: 1} and 2 not in age.CLOCK.push_steps
+    step(args)
+    assert ages_of(1) == [1]
+    with pytest.raises(ValueError, match="version 2's push raised part way"):
+        ages_of(1, 2)
+
+
+def test_delta_baseline_is_the_engines_default_weights(slime_world):
+    args, _ = slime_world
+    updater = wrapped(DeltaUpdater)()
+    updater.update_weights()  # baseline: the engines keep --hf-checkpoint ("default")
+    assert age.CLOCK.push_steps == {age.ENGINE_DEFAULT_VERSION: 0}
+    step(args)
+    assert ages_of(age.ENGINE_DEFAULT_VERSION) == [0]
+    step(args)
+    updater.update_weights()  # v1, after two steps
+    step(args)
+    assert ages_of(age.ENGINE_DEFAULT_VERSION, 1) == [2, 0]
+
+
+def test_a_call_that_pushes_nothing_records_nothing(slime_world):
+    updater = wrapped(type("Idle", (FakeUpdater,), {"update_weights": lambda self: None}))()
+    updater.update_weights()
+    assert age.CLOCK.push_steps == {}
+
+
+def test_default_weights_outside_delta_are_refused_by_name(slime_world):
+    args, updater = slime_world
+    updater.update_weights()
+    step(args)
+    with pytest.raises(ValueError, match="restarted, e.g. by --use-fault-tolerance"):
+        ages_of(age.ENGINE_DEFAULT_VERSION, 1)
+
+
+def released_train_actor(monkeypatch, save, start_version):
+    """A train actor process as --release-train starts one: a new clock, the init hook's install
+    with the version slime hands the actor (`RayTrainGroup.create`)."""
+    monkeypatch.setattr(age, "CLOCK", age.AgeClock())
+    args = Namespace(custom_megatron_before_train_step_hook_path=None, release_train=True, save=str(save),
+                     update_weight_start_version=start_version)  # fmt: skip
+    age.install(args)
+    return args
+
+
+def test_release_train_keeps_the_clock_across_actor_processes(monkeypatch, tmp_path):
+    fake_updater_package(monkeypatch)
+    updater = FakeUpdater()
+    push = age.records_pushes(FakeUpdater.update_weights)
+    args = released_train_actor(monkeypatch, tmp_path, 0)  # the job's first actors
+    push(updater)  # v1, then slime releases the actors
+    for rollout in range(3):  # each rollout trained by a new process, 2 steps, then a push
+        args = released_train_actor(monkeypatch, tmp_path, updater.weight_version)
+        step(args)
+        assert ages_of(*range(1, updater.weight_version + 1)) == list(range(2 * rollout, -1, -2))
+        step(args)
+        push(updater)
+    assert age.CLOCK.push_steps == {1: 0, 2: 2, 3: 4, 4: 6}
+
+
+def test_release_train_refuses_a_missing_or_foreign_clock(monkeypatch, tmp_path):
+    fake_updater_package(monkeypatch)
+    with pytest.raises(ValueError, match="missing: --save must be one folder"):
+        released_train_actor(monkeypatch, tmp_path, 3)
+    released_train_actor(monkeypatch, tmp_path, 0)
+    age.CLOCK.record_push(1)
+    with pytest.raises(ValueError, match="last recorded version 1"):
+        released_train_actor(monkeypatch, tmp_path, 3)

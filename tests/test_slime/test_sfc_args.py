@@ -7,7 +7,7 @@ import pytest
 from fusedrl.slime_ext.arguments import add_fusedrl_arguments, validate_fusedrl_args
 from fusedrl.slime_ext.flags import sfc
 from fusedrl.slime_ext.callables import load_function
-from fusedrl.slime_ext.rollout import sfc_draws
+from fusedrl.slime_ext.rollout import refusals, sfc_draws
 
 
 def parsed(*argv, **slime_defaults):
@@ -19,6 +19,7 @@ def parsed(*argv, **slime_defaults):
         loss_type="custom_loss",
         custom_loss_function_path="fusedrl.slime_ext.losses.sfc_loss",
         custom_generate_function_path=None,
+        custom_rollout_log_function_path=None,
         rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
         rollout_temperature=1.0,
         rollout_top_p=1.0,
@@ -78,6 +79,13 @@ def test_agg_mode_sets_the_loss_aggregation(mode, aggregation_mode, per_token, d
         (GOOD + ("--sfc-loss-agg-mode", "token-mean", "--loss-aggregation", "sample_mean"), {}, "--sfc-loss-agg-mode"),
         (GOOD + ("--sfc-loss-agg-mode", "token-sum", "--loss-aggregation-divisor", "8"), {}, "--loss-aggregation-divisor"),
         (GOOD + ("--sfc-inner-generate-function-path", "a.b"), {"custom_generate_function_path": "c.d"}, "--sfc-inner-generate-function-path"),
+        (GOOD + ("--sfc-max-refused-frac", "1"), {}, "--sfc-max-refused-frac"),
+        (GOOD + ("--sfc-max-refused-frac", "-0.1"), {}, "--sfc-max-refused-frac"),
+        (GOOD + ("--sfc-max-refused-frac", "nan"), {}, "--sfc-max-refused-frac"),
+        (GOOD, {"load_debug_rollout_data": "dump/{rollout_id}.pt"}, "--load-debug-rollout-data dump"),
+        (GOOD, {"load_forge_rollout_data": "dump/0.pt"}, "--load-forge-rollout-data dump/0.pt replays"),
+        (GOOD, {"debug_train_only": True}, "--debug-train-only pushes no weights"),
+        (("--sfc-max-refused-frac", "0.1"), {"custom_loss_function_path": "fusedrl.slime_ext.losses.policy_loss"}, "--sfc-max-refused-frac"),
         (("--sfc-kl-beta", "0.1"), {"custom_loss_function_path": "fusedrl.slime_ext.losses.policy_loss"}, "--sfc-kl-beta"),
     ],
 )
@@ -87,7 +95,17 @@ def test_bad_configuration_names_the_flag(argv, slime, flag):
         validate_fusedrl_args(args)
 
 
+def test_the_refusal_counts_join_slimes_rollout_log_with_a_users_log_function_behind():
+    args = parsed(*GOOD, custom_rollout_log_function_path="my.logging.log_rollout")
+    validate_fusedrl_args(args)
+    assert args.custom_rollout_log_function_path == refusals.LOG_PATH
+    assert load_function(refusals.LOG_PATH) is refusals.log_rollout_data
+    assert getattr(args, refusals.USER_LOG_ATTR) == "my.logging.log_rollout"
+    validate_fusedrl_args(args)  # again: nothing changes
+    assert getattr(args, refusals.USER_LOG_ATTR) == "my.logging.log_rollout"
+
+
 def test_other_losses_are_left_alone():
     args = parsed(custom_loss_function_path="fusedrl.slime_ext.losses.policy_loss")
     validate_fusedrl_args(args)
-    assert args.custom_generate_function_path is None
+    assert args.custom_generate_function_path is None and args.custom_rollout_log_function_path is None

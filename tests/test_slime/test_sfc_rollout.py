@@ -10,9 +10,10 @@ from argparse import Namespace
 import pytest
 import torch
 
-from fusedrl.slime_ext import carry
+from fusedrl.slime_ext import age, carry
 from fusedrl.slime_ext.carry import SFC_DRAWS_KEY as DRAWS_KEY
 from fusedrl.slime_ext.carry import SFC_VERSIONS_KEY as VERSIONS_KEY
+from fusedrl.slime_ext.rollout import refusals
 from fusedrl.slime_ext.rollout import sfc_draws as sfc_rollout
 
 K = 3
@@ -138,13 +139,45 @@ def test_evaluation_requests_pass_through_untouched():
     [
         (engine_answer([11], [[1, 2]], "1"), "plus 3 draws"),  # a missing draw
         (engine_answer([11], [[1, 2, 3, 4]], "1"), "plus 3 draws"),  # an extra draw
-        (engine_answer([11], [[1, 2, 3]], "default"), "weight_version"),
+        (engine_answer([11], [[1, 2, 3]], "v7"), "weight_version"),
     ],
 )
 def test_malformed_answers_are_rejected(answer, message):
     make_inner([answer])
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         run(sfc_rollout.generate(sfc_rollout_args(), FakeSample(), params()))
+    assert refused.value.cause == "malformed_answer"
+
+
+@pytest.fixture
+def tally(monkeypatch):
+    """A fresh refusal count, as the rollout process starts with."""
+    fresh = refusals.Tally()
+    monkeypatch.setattr(sfc_rollout, "TALLY", fresh)
+    return fresh
+
+
+def test_an_unpushed_engine_is_refused_and_counted(tally):
+    """SGLang's "default" weights (an engine restarted by fault tolerance before its first push)
+    were never pushed by the trainer outside delta mode: the sample is refused, and counted."""
+    make_inner([engine_answer([11], [[1, 2, 3]], "1")])
+    run(sfc_rollout.generate(sfc_rollout_args(), FakeSample(), params()))
+    make_inner([engine_answer([11], [[1, 2, 3]], "default")])
+    with pytest.raises(refusals.RefusedSample, match="no weight push has reached") as refused:
+        run(sfc_rollout.generate(sfc_rollout_args(update_weight_mode="full"), FakeSample(), params()))
+    assert refused.value.cause == "unpushed_engine"
+    accepted, counts, first = tally.take()
+    assert (accepted, dict(counts)) == (1, {"unpushed_engine": 1}) and "--use-fault-tolerance" in first["unpushed_engine"]
+
+
+def test_delta_mode_default_weights_are_the_captured_base(tally):
+    """Under --update-weight-mode delta the engines' "default" weights are the base the delta
+    updater captured at its first call, recorded by the age clock as ENGINE_DEFAULT_VERSION."""
+    answers = [engine_answer([11], [[1, 2, 3]], "default"), engine_answer([12], [[4, 5, 6]], "1")]
+    make_inner(answers)
+    sample = run(sfc_rollout.generate(sfc_rollout_args(update_weight_mode="delta"), FakeSample(), params()))
+    assert sample.multimodal_train_inputs[VERSIONS_KEY].tolist() == [age.ENGINE_DEFAULT_VERSION, 1]
+    assert tally.take()[:2] == (1, {})
 
 
 def test_plugin_missing_top_k_answer_is_rejected():

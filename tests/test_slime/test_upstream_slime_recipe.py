@@ -63,7 +63,7 @@ def parse_job(rank, world_size, flags):
     names = (
         "rollout_batch_size", "n_samples_per_prompt", "num_steps_per_rollout", "global_batch_size", "loss_type",
         "custom_loss_function_path", "custom_megatron_init_path", "custom_generate_function_path",
-        "sfc_num_auxiliary_token_samples", "sfc_kl_beta", "loss_aggregation", "loss_aggregation_divisor",
+        "custom_rollout_log_function_path", "sfc_num_auxiliary_token_samples", "sfc_kl_beta", "loss_aggregation", "loss_aggregation_divisor",
         "calculate_per_token_loss", "rollout_temperature", "rollout_top_p", "rollout_top_k", "entropy_coef",
         "actor_num_gpus_per_node", "rollout_num_gpus", "use_dynamic_batch_size",
     )  # fmt: skip
@@ -92,6 +92,7 @@ def test_recipe_is_the_described_run(job):
         "loss_type": "custom_loss", "custom_loss_function_path": "fusedrl.slime_ext.losses.sfc_loss",
         "custom_megatron_init_path": "fusedrl.slime_ext.install",
         "custom_generate_function_path": "fusedrl.slime_ext.rollout.sfc_draws.generate",
+        "custom_rollout_log_function_path": "fusedrl.slime_ext.rollout.refusals.log_rollout_data",
         "sfc_num_auxiliary_token_samples": 8, "sfc_kl_beta": 0.3, "loss_aggregation": "constant",
         "loss_aggregation_divisor": 1.0, "calculate_per_token_loss": False, "rollout_temperature": 1.0,
         "rollout_top_p": 1.0, "rollout_top_k": -1, "entropy_coef": 0.0, "actor_num_gpus_per_node": 2,
