@@ -5,7 +5,8 @@ hands `add_fusedrl_arguments` to `slime.utils.arguments.parse_args(add_custom_ar
 and runs `validate_fusedrl_args` on the parsed namespace before training starts. Each feature's
 flags and checks live in `flags/`; the order they run in is carried by the data they pass on:
 the aggregation checks take, as an argument, the mode the SFC checks say --sfc-loss-agg-mode
-stands for. The policy-loss checks read slime's own flags and --pg-loss-type; the fused LM head's read
+stands for. The policy-loss checks read slime's own flags and --pg-loss-type, M2PO's
+(--fusedrl-m2po-tau) those and its own; the fused LM head's read
 slime's flags besides its own; the last checks meet slime's own newer features (`flags/slime_features.py`).
 
 A flag the installed slime defines itself is never registered twice (`slime_options`): where the
@@ -25,7 +26,7 @@ import copy
 import weakref
 
 from . import slime_options
-from .flags import aggregation, lm_head, log_probs, policy, sfc, slime_features
+from .flags import aggregation, lm_head, log_probs, m2po, policy, sfc, slime_features
 
 # Resolved at first use without harm: only the package's own losses read them, per call.
 LATE_RESOLVABLE = ("loss_aggregation", "loss_aggregation_divisor")
@@ -33,7 +34,7 @@ ENTRY_POINT = "python -m fusedrl.slime_ext.train path/to/slime/train.py"
 _CHECKED = {}  # id(args) -> weak reference, for the args objects that passed check_at_first_use
 
 
-FEATURES = (aggregation, policy, sfc, lm_head, log_probs)
+FEATURES = (aggregation, policy, m2po, sfc, lm_head, log_probs)
 
 
 def add_fusedrl_arguments(parser):
@@ -64,6 +65,7 @@ def validate_fusedrl_args(args) -> None:
     """
     aggregation.validate_args(args, implied=sfc.validate_args(args))
     policy.validate_args(args)
+    m2po.validate_args(args)
     lm_head.validate_args(args)
     log_probs.validate_args(args)
     slime_features.validate_args(args)

@@ -30,6 +30,7 @@ import torch
 from . import megatron
 from .callables import load_function
 from .context_parallel import chunked_loss_masks
+from .flags.m2po import enabled as m2po_enabled
 
 
 def sequence_level(args) -> Optional[str]:
@@ -48,8 +49,9 @@ def importance_sampling(args) -> Optional[str]:
 
 def whole_batch(args) -> Optional[str]:
     """The flag of a correction that needs every token of the micro-batch before any token's
-    gradient (sequence-level terms, or a TIS function over the whole pg_loss), else None."""
-    return sequence_level(args) or importance_sampling(args)
+    gradient (sequence-level terms, a TIS function over the whole pg_loss, or M2PO's trust region
+    over the whole micro-batch, `m2po`), else None."""
+    return sequence_level(args) or importance_sampling(args) or m2po_enabled(args)
 
 
 class SequenceTerms(NamedTuple):

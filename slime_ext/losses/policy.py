@@ -24,6 +24,11 @@ and OPSM (--use-opsm) from each sample's whole response, and the TIS step (--use
 --loss-aggregation and slime's reducer of the other terms. They need the micro-batch's every token
 before any token's gradient, so under --fusedrl-fused-lm-head they take the recompute path. A
 custom pg_loss reducer is refused (`flags/policy.py`): --loss-aggregation chooses it.
+
+M2PO's trust region (--fusedrl-m2po-tau, `m2po`) replaces pg_loss by -M * pi / pi_rollout * A, M
+masking the micro-batch's largest squared log-ratios among the tokens a PPO clip would act on; it
+too needs every token first (recompute path under --fusedrl-fused-lm-head), and pg_clipfrac and
+ppo_kl keep reporting the PPO clip against the old log-probs.
 """
 
 from typing import NamedTuple, Optional
@@ -35,6 +40,7 @@ from ..aggregation import aggregate_pg_loss, reduce_diagnostics
 from ..arguments import check_at_first_use
 from ..flags.policy import KL_TYPES, pg_loss_type
 from ..logprobs import locate_responses, logprobs_and_entropy, response_log_probs
+from ..m2po import m2po_terms
 from ..responses import check_values
 from .contract import detached, reaching_logits
 
@@ -213,6 +219,10 @@ def policy_loss(args, batch, logits, sum_of_sample_mean):
         extra.update({key: sum_of_sample_mean(value) for key, value in corrected.metrics.items()})
     if sequence.opsm_clipfrac is not None:
         extra["opsm_clipfrac"] = sequence.opsm_clipfrac
+    region = m2po_terms(args, batch, log_probs, inputs.advantages)
+    if region is not None:
+        terms = terms._replace(pg_loss=region.pg_loss)
+        extra.update({key: reduce_mean(value) for key, value in region.metrics.items()})
     full_loss, parts = objective(args, terms, entropy, lambda x: aggregate_pg_loss(args, batch, x, loss_masks), reduce_mean)
     loss = reaching_logits(full_loss, logits, log_probs.numel())
     return _reported(args, batch, loss, log_probs, terms, entropy, reduce_mean, parts, extra)

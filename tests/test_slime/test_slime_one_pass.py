@@ -9,8 +9,8 @@ for the policy loss (PPO with dual clip, CISPO, REINFORCE; entropy bonus; KL ter
 --loss-aggregation mode; top-p replay) and the SFC loss (K = 8, carried centering weights), at tp
 = 1, 2 x cp = 1, 2, sequence parallel on and off, untied and tied, and on a cp rank that holds no
 response token. Each rank also reports which path its log named: one-pass, or the recompute path
-under allgather context parallelism and for slime's corrections that need the whole micro-batch
-(GSPO, OPSM, a TIS function).
+under allgather context parallelism and for the corrections that need the whole micro-batch
+(slime's GSPO, OPSM, a TIS function; M2PO's trust region).
 """
 
 import pytest
@@ -141,6 +141,8 @@ CASES = {
         opsm_delta=3.0, use_tis=True, custom_tis_function_path="slime_harness.reject_outside_tis_band", tis_clip=1.05,
         tis_clip_low=0.95, entropy_coef=0.01,
     ),
+    # so does M2PO's trust region, a selection over the whole micro-batch
+    "m2po_cp2_recompute_path": _policy(1, 2, path="recompute path (--fusedrl-m2po-tau", fusedrl_m2po_tau=0.5, entropy_coef=0.01),
     "sfc_k8_sample_mean": _sfc(1, 1, "sample-mean"),
     "sfc_k8_token_mean_tp2_cp2_sp": _sfc(2, 2, "token-mean", sp=True),
 }

@@ -52,6 +52,14 @@ PROMPT_MEAN_BREAKERS = {
     "debug_rollout_data": (["--load-debug-rollout-data", "/nonexistent/rollout_{rollout_id}.pt"], "--load-debug-rollout-data"),
     "steps_per_rollout": (["--num-steps-per-rollout", "8"], "--global-batch-size 1 is not a multiple of --n-samples-per-prompt 2"),
 }
+# SFC on a rollout another job dumped (its tokens carry that job's weight versions), or none at all:
+# (the flags, what the refusal names)
+SFC_REPLAYS = {
+    "debug_rollout_data": (["--load-debug-rollout-data", "/nonexistent/rollout_{rollout_id}.pt"], "--load-debug-rollout-data"),
+    "forge_rollout_data": (["--rollout-function-path", "slime.rollout.forge_load.generate_rollout",
+                            "--load-forge-rollout-data", "/nonexistent/{rollout_id}.pt"], "--load-forge-rollout-data"),
+    "debug_train_only": (["--debug-train-only"], "--debug-train-only"),
+}  # fmt: skip
 # prompt_mean with several steps per rollout of whole groups, on fusedrl's policy loss and slime's.
 PROMPT_MEAN_STEPS = {
     f"{loss}-{steps}steps": (argv + ["--loss-aggregation", "prompt_mean", "--num-steps-per-rollout", str(steps)])
@@ -72,8 +80,10 @@ FLAG_CONTEXTS = {
     "--sfc-kl-beta": SFC_LOSS,
     "--sfc-loss-agg-mode": SFC_LOSS,
     "--sfc-inner-generate-function-path": SFC_LOSS,
+    "--sfc-max-refused-frac": SFC_LOSS,
     "--fusedrl-fused-lm-head": POLICY_LOSS,
     "--fusedrl-keep-slime-log-probs": [],
+    "--fusedrl-m2po-tau": POLICY_LOSS,
 }
 PLUGIN_ON = {"AGENTCORE_SGLANG_TOKEN_SAMPLES": "1"}
 # slime's own newer features the package cannot run with: (command line, environment, what the
@@ -104,6 +114,10 @@ ACCEPTED = {
 }
 
 
+# A float flag's value where 2.5 is out of its range.
+FLOAT_VALUES = {"--sfc-max-refused-frac": 0.25}
+
+
 def fusedrl_actions():
     parser = argparse.ArgumentParser(allow_abbrev=False)
     add_fusedrl_arguments(parser)
@@ -120,7 +134,8 @@ def flag_cases():
         elif action.choices:
             cases += [(flag, (choice,), dest, choice) for choice in action.choices]
         elif action.type is float:
-            cases.append((flag, ("2.5",), dest, 2.5))
+            value = FLOAT_VALUES.get(flag, 2.5)
+            cases.append((flag, (str(value),), dest, value))
         elif action.type is int:
             cases.append((flag, ("3",), dest, 3))
         else:
@@ -228,6 +243,7 @@ def observations(root, cases, script):
             name: validate_error(parse(POLICY_LOSS + ["--loss-aggregation", "prompt_mean", *extra])[0])
             for name, (extra, _) in PROMPT_MEAN_BREAKERS.items()},
         "prompt_mean_steps": prompt_mean_steps,
+        "sfc_replay_errors": lambda: {name: validate_error(parse(SFC_LOSS + argv)[0]) for name, (argv, _) in SFC_REPLAYS.items()},
         "hook_only": lambda: install_error(root, *upstream_slime.parse_known_args(BASE_ARGV + HOOK_ONLY_ARGV), HOOK_ONLY_ARGV),
         "plain_install": lambda: install_error(root, parse([], with_fusedrl=False)[0], [], INIT_HOOK),
         "entry": lambda: {(flag, values): through_entry_point(root, script, FLAG_CONTEXTS[flag] + [flag, *values], dest)
@@ -400,6 +416,14 @@ def test_token_mean_turns_on_per_token_loss_within_slimes_parse(on):
 def test_prompt_mean_refuses_settings_that_break_its_denominators(on, setting):
     error = on["prompt_mean_errors"][setting]
     assert error is not None and PROMPT_MEAN_BREAKERS[setting][1] in error, error
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("replay", list(SFC_REPLAYS))
+def test_sfc_refuses_a_replayed_rollout_at_startup(on, replay):
+    """Its tokens' weight versions are the dumping job's, which this job's pushes number anew."""
+    error = on["sfc_replay_errors"][replay]
+    assert error is not None and SFC_REPLAYS[replay][1] in error, error
 
 
 @pytest.mark.parametrize("parser", PARSERS)

@@ -1,0 +1,82 @@
+"""M2PO on the package's policy loss (--fusedrl-m2po-tau; Zheng et al., arXiv 2510.01161).
+
+Per response token of the micro-batch, with log pi_theta the current log-prob and log pi_behav
+the rollout's (`rollout_log_probs`, the policy that sampled the token):
+
+    M2 = (log pi_theta - log pi_behav)^2,   r = exp(log pi_theta - log pi_behav)
+    T  = loss-masked tokens with (A > 0 and r > 1) or (A < 0 and r < 1), the tokens a PPO clip
+         would act on (r > 1 read as log pi_theta > log pi_behav, exactly)
+    M  = the second-moment trust region over T at tau (`trust_region.second_moment_mask`: the
+         largest M2 of T masked until T's mean M2 is <= tau), without gradient
+    pg_loss = -M * r * A, no clip
+
+The set is the whole micro-batch, the tokens the loss sees at once; under context parallelism its
+tokens are spread over the cp ranks, so the selection spans the cp group (each token placed at its
+position in the cp = 1 order: the result is the cp = 1 one). Tensor-parallel ranks compute the same
+log-probs and so the same selection. The metrics, per token for slime's reducer: `m2po_masked_frac`
+(1 where M masks a token), `m2po_m2_before` and `m2po_m2_after` (the micro-batch's mean M2 over T
+before and after masking, 0 for an empty T, on every token: the reducer averages them over samples,
+or tokens on the per-token path, like the other metrics).
+"""
+
+from typing import Dict, NamedTuple, Optional
+
+import torch
+
+from . import megatron
+from .context_parallel import chunked_loss_masks, response_ranges
+from .flags.m2po import FLAG, tau
+from .trust_region import second_moment_mask
+
+
+class M2POTerms(NamedTuple):
+    """M2PO's per-token pg_loss (gradient through the current log-probs) and per-token metrics."""
+
+    pg_loss: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+
+
+def _global_positions(batch, cp_rank: int, cp_size: int, device) -> torch.Tensor:
+    """[N] int64: each of the rank's response tokens (slime's zigzag layout) at its place in the
+    micro-batch's cp = 1 order (samples concatenated, response positions in order)."""
+    pieces, offset = [], 0
+    for total, response in zip(batch["total_lengths"], batch["response_lengths"], strict=True):
+        pieces += [torch.arange(offset + lo, offset + hi) for lo, hi in response_ranges(total, response, cp_rank, cp_size)]
+        offset += response
+    return (torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)).to(device)
+
+
+def m2po_terms(args, batch, log_probs: torch.Tensor, advantages: torch.Tensor) -> Optional[M2POTerms]:
+    """M2PO's terms from the rank's concatenated current log-probs and advantages (None when off)."""
+    threshold = tau(args)
+    if threshold is None:
+        return None
+    rollout_log_probs = batch.get("rollout_log_probs")
+    if not rollout_log_probs:
+        raise ValueError(
+            f"{FLAG} needs the rollout log-probs (rollout_log_probs: each token's log-prob under the policy that "
+            "sampled it, which slime's rollout records on Sample.rollout_log_probs) in the batch; it has none"
+        )
+    cp_rank, cp_size = megatron.cp_rank_and_size()
+    device = log_probs.device
+    masks = chunked_loss_masks(batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], cp_rank, cp_size)
+    loss_mask = torch.cat(masks).to(device) > 0 if masks else torch.zeros(0, dtype=torch.bool, device=device)
+    log_ratio = log_probs.float() - torch.cat(rollout_log_probs).to(device).float()
+    ahead = log_ratio.detach()
+    in_set = loss_mask & (((advantages > 0) & (ahead > 0)) | ((advantages < 0) & (ahead < 0)))
+    region = second_moment_mask(
+        ahead.double() ** 2, in_set, threshold,
+        positions=_global_positions(batch, cp_rank, cp_size, device), num_positions=sum(batch["response_lengths"]),
+        group=megatron.cp_group() if cp_size > 1 else None,
+    )  # fmt: skip
+    kept = region.keep.to(log_ratio.dtype)
+    # exp of a masked token's log-ratio is never formed: its value (inf for an extreme outlier)
+    # would turn 0 * inf into NaN, in the loss and in the gradient
+    ratio = torch.exp(torch.where(region.keep, log_ratio, torch.zeros_like(log_ratio)))
+    ones = torch.ones_like(ahead)
+    metrics = {
+        "m2po_masked_frac": 1 - kept,
+        "m2po_m2_before": ones * region.before.to(ones.dtype),
+        "m2po_m2_after": ones * region.after.to(ones.dtype),
+    }
+    return M2POTerms(-kept * ratio * advantages, metrics)
