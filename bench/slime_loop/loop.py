@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from . import sglang_server, stand_ins, target_task, upstream_slime
+from . import learner_reward, sglang_server, stand_ins, target_task, upstream_slime
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository, whose `bench` package the loop process imports
 # slime's PPO-clip loss (--loss-type policy_loss) as slime users run it on stale rollouts, by its
@@ -64,7 +64,7 @@ PPO_CORRECTIONS = {
     "icepop": ["--use-tis", "--tis-clip", "2", "--tis-clip-low", "0.5",
                "--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"],
 }  # fmt: skip
-METHODS = ("reinforce", "sfc", *PPO_CORRECTIONS)
+METHODS = ("reinforce", "sfc", *PPO_CORRECTIONS, "m2po")
 HOST = sglang_server.HOST
 ENGINE_START_TIMEOUT_S = 1200.0  # SGLang's start-up has taken over 7 minutes on a busy 2-core machine
 
@@ -84,10 +84,13 @@ class LoopConfig:
     num_draws: int = 4  # K
     kl_beta: float = 0.3  # beta0
     max_tokens_per_step: int = 2048
+    m2po_tau: Optional[float] = None  # M2PO's threshold (--fusedrl-m2po-tau): the m2po method's alone
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if (self.method == "m2po") != (self.m2po_tau is not None):
+            raise ValueError(f"m2po_tau goes with the m2po method and no other, got {self.m2po_tau!r} for {self.method!r}")
         if self.lag < 0:
             raise ValueError(f"lag must be >= 0, got {self.lag}")
         if self.samples_per_step % self.samples_per_prompt:
@@ -146,6 +149,14 @@ def slime_argv(config: LoopConfig, files: Files) -> list:
             "--sfc-num-auxiliary-token-samples", str(config.num_draws), "--sfc-kl-beta", str(config.kl_beta),
             "--sfc-loss-agg-mode", "token-sum",
         ]  # fmt: skip
+    if config.method == "m2po":
+        # the package's policy loss with M2PO's trust region in the paper's form: the ratio to the
+        # sampler (the rollout log-probs), no clip, the token mean over the step's tokens
+        return argv + [
+            "--loss-type", "custom_loss", "--custom-loss-function-path", "fusedrl.slime_ext.losses.policy_loss",
+            "--fusedrl-m2po-tau", str(config.m2po_tau), "--loss-aggregation", "token_mean",
+            "--use-rollout-logprobs",  # ppo_kl, its clip fraction and the drift against the sampler, as for REINFORCE
+        ]  # fmt: skip
     if config.method in PPO_CORRECTIONS:
         # slime's own loss and aggregation (its default reducer: the mean over each sample's tokens,
         # summed over samples); old log-probs recomputed by the trainer before each rollout's first step
@@ -197,7 +208,26 @@ def serve_lagged(lag: int, served: list):
     RayTrainGroup._reload_rollout_weights_from_disk = reload_lagged
 
 
+def record_learner_reward(config: "LoopConfig", files: "Files", rewards: list) -> None:
+    """At every push, before the engine is given its weights, the learner's reward of the weights
+    just pushed (`learner_reward`: the trainer's after the rollout's steps, read from the HF
+    checkpoint the push wrote); `rewards` gets (pushed version, reward) per push."""
+    from slime.ray.actor_group import RayTrainGroup
+
+    reload = RayTrainGroup._reload_rollout_weights_from_disk
+
+    def reload_after_evaluation(group, disk_weight_dir, weight_version):
+        reward = learner_reward.learner_reward(
+            files.model, disk_weight_dir, float(group.args.rollout_temperature), config.seed, int(weight_version)
+        )
+        rewards.append((int(weight_version), reward))
+        return reload(group, disk_weight_dir, weight_version)
+
+    RayTrainGroup._reload_rollout_weights_from_disk = reload_after_evaluation
+
+
 PPO_METRICS = ("pg_clipfrac", "tis", "tis_clipfrac", "ppo_kl")  # what slime's PPO loss reports, kept per step
+M2PO_METRICS = ("m2po_masked_frac", "m2po_m2_before", "m2po_m2_after")  # what M2PO's trust region reports
 
 
 def record_sampler_drift() -> None:
@@ -232,6 +262,7 @@ class Observations:
         self.ages = {}  # step -> sorted SFC ages of its tokens
         self.forward_drift = []  # per rollout: max over tokens of |Megatron - SGLang| / max(1, |SGLang|) log-prob, before its first step
         self.pushes = []  # (pushed, served) per push, from `serve_lagged`
+        self.learner_rewards = []  # (pushed, reward) per push, from `record_learner_reward` (when on)
         self.started = time.perf_counter()
 
     def install(self) -> None:
@@ -319,6 +350,7 @@ class Observations:
                     "pg_loss": log.get("train/pg_loss"),
                     "ages": self.ages.get(step),
                     **({key: log.get(f"train/{key}") for key in PPO_METRICS} if ppo else {}),
+                    **({key: log.get(f"train/{key}") for key in M2PO_METRICS} if self.config.method == "m2po" else {}),
                 }
             )
         from fusedrl.kernels import _dispatch
@@ -330,6 +362,7 @@ class Observations:
             "rollouts": self.rollouts,
             "forward_drift": self.forward_drift,
             "pushes": [{"pushed": p, "served": s} for p, s in self.pushes],
+            "learner_rewards": [{"pushed": p, "reward": r} for p, r in self.learner_rewards],
             "push_steps": {str(v): n for v, n in sorted(age.CLOCK.push_steps.items())},
             "kernel_paths": sorted([op, path] for op, path in _dispatch._LOGGED_PATHS),
             "seconds": time.perf_counter() - self.started,
@@ -358,10 +391,14 @@ def start_engine(files: Files, workdir: Path, seed: int = sglang_server.SEED, cp
     return sglang_server.Server(files.model, stub, workdir / "server.log", env=env, extra_args=extra, launcher=launcher)
 
 
-def run(config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_dir: Optional[Path] = None) -> dict:
+def run(
+    config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_dir: Optional[Path] = None,
+    with_learner_reward: bool = True,
+) -> dict:  # fmt: skip
     """Run slime's train.py on the task with `config` in `workdir`; the observations. `engine`:
     (host, port) of a running server on the model in `task_dir` (`task_files`), else one is
-    started for the run and stopped after it; `task_dir` defaults to `workdir`."""
+    started for the run and stopped after it; `task_dir` defaults to `workdir`;
+    `with_learner_reward`: the learner's reward at every push (`record_learner_reward`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     files = task_files(task_dir or workdir, workdir, config.seed)
     server = None if engine is not None else start_engine(files, workdir, config.seed)
@@ -379,6 +416,8 @@ def run(config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_
         observations = Observations(config)
         observations.install()
         serve_lagged(config.lag, observations.pushes)
+        if with_learner_reward:
+            record_learner_reward(config, files, observations.learner_rewards)
         # slime's clear_memory() runs gc.collect() a few times per rollout; the start-up's objects
         # (SGLang's, megatron-core's and slime's modules) would make each take most of a second.
         gc.freeze()
@@ -405,7 +444,7 @@ def loop_environment(**overrides) -> dict:
 
 def run_in_subprocess(
     config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_dir: Optional[Path] = None,
-    timeout: Optional[float] = None, cpu: Optional[int] = None, **env,
+    timeout: Optional[float] = None, cpu: Optional[int] = None, with_learner_reward: bool = True, **env,
 ) -> dict:  # fmt: skip
     """`run` in a fresh process (its output in workdir/loop.log), on core `cpu` alone when given
     (`pinned`; a server it starts inherits the core); its observations. `env`: changes to the
@@ -418,6 +457,8 @@ def run_in_subprocess(
         command += ["--engine", f"{engine[0]}:{engine[1]}"]
     if task_dir is not None:
         command += ["--task-dir", str(task_dir)]
+    if not with_learner_reward:
+        command += ["--no-learner-reward"]
     with open(log_path, "wb") as log:
         environment = loop_environment(**pinned_env(cpu), **env)
         completed = subprocess.run(command, env=environment, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
@@ -433,13 +474,15 @@ def main(argv=None) -> None:
     parser.add_argument("out", type=Path, help="where the observations go (JSON)")
     parser.add_argument("--engine", help="HOST:PORT of a running SGLang server on the model in --task-dir")
     parser.add_argument("--task-dir", type=Path, help="where the task's model and prompts are (default: OUT's folder)")
+    parser.add_argument("--no-learner-reward", dest="learner_reward", action="store_false",
+                        help="leave out the learner's reward at every push")  # fmt: skip
     options = parser.parse_args(argv)
     config = LoopConfig(**json.loads(options.config.read_text()))
     engine = None
     if options.engine:
         host, port = options.engine.rsplit(":", 1)
         engine = (host, int(port))
-    result = run(config, options.out.parent, engine, options.task_dir)
+    result = run(config, options.out.parent, engine, options.task_dir, options.learner_reward)
     options.out.write_text(json.dumps(result))
 
 

@@ -23,6 +23,13 @@ steps), 32 samples a step, K = 4, beta0 = 0.3. The study, in this order:
   each of those three groups seed by seed side by side (EXTRA_GROUPS).
 It prints a progress line per run with the time left.
 
+`--trust-region` runs the trust-region study instead (rollouts sixteen pushes, 256 optimizer
+steps, stale): first M2PO's threshold, a seed-0 grid of M2PO (the package's policy loss,
+`--fusedrl-m2po-tau`) at lag TRUST_REGION_LAG and rate TRUST_REGION_LR over TAU_GRID, extended by
+factors of 4 while the learner's reward (bench/slime_loop/learner_reward.py, over the run's last
+pushes) still rises at the grid's top (at most MAX_WIDENINGS times); then M2PO at the chosen
+threshold at lags M2PO_LAGS over the seeds, seed by seed.
+
 `--workers N` runs N runs at once, each pinned to a core of its own with its own SGLang server and
 one compute thread (bench/slime_loop/loop.py's `pinned`); docs/results.md gives runs per hour
 either way.
@@ -69,6 +76,11 @@ EXTRA_GROUPS = (
 )
 EXTRA_ARMS = tuple(arm for group in EXTRA_GROUPS for arm in group)
 RATE_OF = {"ppo": "ppo_tis", "icepop": "ppo_tis"}
+# The trust-region study: M2PO's threshold grid (the paper's 0.04 for LLMs at lr 1e-6, then
+# larger: this task's policy moves far more per step), at the lag and rate it is chosen at.
+TAU_GRID = (0.04, 0.16, 0.64)
+TRUST_REGION_LAG, TRUST_REGION_LR = 16, 1e-3
+M2PO_LAGS = (0, 8, 16)
 LR_GRID = (3e-4, 1e-3, 3e-3)  # brackets the pilot's REINFORCE at 1e-3 (0.35 after 320 steps; 3e-3 stalled)
 LAGS = (0, 4, 8)
 
@@ -79,10 +91,7 @@ MAX_WIDENINGS = 2  # per method; past that the study says the best rate is still
 def study_configs(options) -> tuple:
     """(the grid's configs, a function from the chosen rates to the main configs: the arms of the
     methods whose rate is given, lag by lag, seed by seed, then the extra arms)."""
-    base = loop.LoopConfig(
-        "sfc", rollouts=options.steps // options.steps_per_rollout, steps_per_rollout=options.steps_per_rollout,
-        samples_per_step=options.samples_per_step, num_draws=options.draws, kl_beta=options.kl_beta,
-    )  # fmt: skip
+    base = base_config(options)
     grid = [replace(base, method=method, lr=lr) for method in GRID_METHODS for lr in options.lrs]
 
     def main(rates: dict, extra: bool = True) -> list:
@@ -101,6 +110,37 @@ def study_configs(options) -> tuple:
         return configs
 
     return grid, main
+
+
+def base_config(options) -> loop.LoopConfig:
+    """The described run's geometry from the options, SFC at the default rate."""
+    return loop.LoopConfig(
+        "sfc", rollouts=options.steps // options.steps_per_rollout, steps_per_rollout=options.steps_per_rollout,
+        samples_per_step=options.samples_per_step, num_draws=options.draws, kl_beta=options.kl_beta,
+    )  # fmt: skip
+
+
+def chosen_tau(options, run, widened=None) -> float:
+    """M2PO's threshold: the grid's (TAU_GRID) best by the learner's late reward at lag
+    TRUST_REGION_LAG, seed 0, the grid extended by a factor of 4 while its largest is the best;
+    `run` gives the records of configs, `widened` (if given) hears of each config an extension adds."""
+    base = replace(base_config(options), method="m2po", lr=TRUST_REGION_LR, lag=TRUST_REGION_LAG, seed=0, m2po_tau=TAU_GRID[0])
+    taus = list(TAU_GRID)
+    while True:
+        records = run([replace(base, m2po_tau=tau) for tau in taus])
+        best = max(range(len(taus)), key=lambda index: report.late_learner_reward(records[index]))
+        if best < len(taus) - 1 or len(taus) == len(TAU_GRID) + MAX_WIDENINGS:
+            print(f"M2PO's threshold: {taus[best]:g}, the best learner's reward of {taus}", file=sys.stderr, flush=True)
+            return taus[best]
+        taus.append(taus[-1] * 4)
+        if widened is not None:
+            widened(replace(base, m2po_tau=taus[-1]))
+
+
+def trust_region_configs(options, tau: float) -> list:
+    """The trust-region study's arms at M2PO's threshold `tau`, seed by seed, lag by lag."""
+    base = replace(base_config(options), method="m2po", lr=TRUST_REGION_LR, m2po_tau=tau)
+    return [replace(base, lag=lag, seed=seed) for seed in range(options.seeds) for lag in M2PO_LAGS]
 
 
 def next_rate(rate: float, direction: int) -> float:
@@ -206,6 +246,9 @@ def parse(argv=None):
                         help="runs at once, each on a core of its own (default: %(default)s, from the cores this process may use)")  # fmt: skip
     parser.add_argument("--one-server", action="store_true", help="one SGLang server per worker for all its runs (default: one per run)")
     parser.add_argument("--commit", action="store_true", help="git-commit each run's record as it finishes")
+    parser.add_argument("--trust-region", action="store_true",
+                        help=f"the trust-region study: M2PO's threshold grid {list(TAU_GRID)} at lag {TRUST_REGION_LAG}, "
+                        f"then M2PO at lags {list(M2PO_LAGS)}")  # fmt: skip
     parser.add_argument("--report", action="store_true", help="only write the table and charts from the recorded runs")
     parser.add_argument("--partial", action="store_true",
                         help="with --report: report the main runs recorded so far (the grid must be complete), naming the missing")
@@ -295,6 +338,26 @@ def start_engines(options) -> list:
     return servers
 
 
+def run_trust_region(options, store: RunStore, study: Study) -> None:
+    """The trust-region study: the threshold grid, then M2PO's arms at the chosen threshold."""
+    from ..harness.progress import Progress
+
+    grid = [
+        replace(base_config(options), method="m2po", lr=TRUST_REGION_LR, lag=TRUST_REGION_LAG, seed=0, m2po_tau=tau)
+        for tau in TAU_GRID
+    ]
+    progress = Progress([config.method for config in grid if store.saved(config) is None])
+
+    def widened(config):
+        if store.saved(config) is None:
+            progress.expect_next([config.method])
+
+    tau = chosen_tau(options, lambda configs: study.run(configs, progress), widened)
+    configs = trust_region_configs(options, tau)
+    progress.plan([config.method for config in configs if store.saved(config) is None])
+    study.run(configs, progress)
+
+
 def main(argv=None) -> None:
     options = parse(argv)
     from ..harness.progress import Progress
@@ -316,6 +379,13 @@ def main(argv=None) -> None:
     servers = start_engines(options) if options.one_server else []
     engines = [(loop.HOST, server.wait_ready(loop.ENGINE_START_TIMEOUT_S).port) for server in servers] or [None] * options.workers
     study = Study(store, options.work, engines)
+    if options.trust_region:
+        try:
+            run_trust_region(options, store, study)
+        finally:
+            for server in servers:
+                server.stop()
+        return
     try:
         # First, side by side, the grid's unrecorded runs and the main arms of the methods whose
         # rate the records decide already; then the rates of the rest (widening where needed), the

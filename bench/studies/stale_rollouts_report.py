@@ -81,6 +81,14 @@ def late_reward(run) -> float:
     return window_mean(rewards, len(rewards), min(CHECKPOINT_WINDOW, len(rewards)))
 
 
+def late_learner_reward(run) -> float:
+    """Mean learner's reward (bench/slime_loop/learner_reward.py) at the pushes that end the run's
+    last CHECKPOINT_WINDOW steps (one push per rollout; the first push, before any step, left out)."""
+    rewards = run["learner_reward"]
+    count = max(1, min(CHECKPOINT_WINDOW // run["config"]["steps_per_rollout"], len(rewards) - 1))
+    return statistics.fmean(rewards[-count:])
+
+
 def late_drift(run) -> float:
     """Mean |drift| over the run's last DRIFT_WINDOW steps."""
     return statistics.fmean(abs(d) for d in run["series"]["drift"][-DRIFT_WINDOW:])

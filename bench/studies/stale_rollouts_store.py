@@ -5,29 +5,40 @@ A run's record is what the report needs and no more (a few tens of KB for 640 st
 configuration (`LoopConfig` as a dict), its wall-clock seconds and how many runs shared the machine
 meanwhile (`concurrent`), and per optimizer step the reward of its samples, the drift from the
 sampler, the gradient norm, the policy loss, the largest SFC age of its tokens (None but for SFC,
-the one method with an age clock) and, for slime's PPO loss, its clip fraction, TIS weight and TIS
-clip fraction and its ppo_kl against the old log-probs, each rounded to SIGNIFICANT digits. The
-study reads a run back instead of running it again, on any machine where it is committed; a record
-whose configuration differs from the one asked for under the same name is refused, never reused.
+the one method with an age clock), for slime's PPO loss its clip fraction, TIS weight and TIS
+clip fraction and its ppo_kl against the old log-probs, for M2PO its masked fraction and mean M2
+before and after masking, each rounded to SIGNIFICANT digits; and per push (the first before any
+step) the learner's reward (bench/slime_loop/learner_reward.py), in records written since it
+exists. The study reads a run back instead of running it again, on any machine where it is
+committed; a record whose configuration differs from the one asked for under the same name is
+refused, never reused (a configuration field added since a record was written counts at its default).
 """
 
 import json
 import subprocess
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
-from ..slime_loop.loop import PPO_METRICS
+from ..slime_loop.loop import M2PO_METRICS, PPO_METRICS, LoopConfig
 
 SIGNIFICANT = 5  # digits kept per value: far below the seed-to-seed spread of every quantity reported
 SERIES = ("reward", "drift", "grad_norm", "pg_loss")
 
 
 def run_name(config) -> str:
-    """The record's file stem: the method, learning rate, lag, seed and geometry."""
+    """The record's file stem: the method (with M2PO's threshold), learning rate, lag, seed and geometry."""
+    method = config.method if config.m2po_tau is None else f"{config.method}-tau{config.m2po_tau:g}"
     return (
-        f"{config.method}-lr{config.lr:g}-lag{config.lag}-seed{config.seed}-"
+        f"{method}-lr{config.lr:g}-lag{config.lag}-seed{config.seed}-"
         f"{config.steps_per_rollout}spr-{config.samples_per_step}sps-{config.steps}steps"
     )
+
+
+def recorded_config(record: dict) -> dict:
+    """The record's configuration, a field `LoopConfig` gained after the record was written at its
+    default (what the run had)."""
+    defaults = {field.name: field.default for field in fields(LoopConfig)}
+    return {**{name: defaults[name] for name in defaults.keys() - record["config"].keys()}, **record["config"]}
 
 
 def _rounded(value):
@@ -37,10 +48,12 @@ def _rounded(value):
 def compact(observations: dict) -> dict:
     """The record of a run from the loop's observations (bench/slime_loop/loop.py's `Observations.result`)."""
     steps = observations["steps"]
-    kept = SERIES + tuple(key for key in PPO_METRICS if any(step.get(key) is not None for step in steps))
+    kept = SERIES + tuple(key for key in PPO_METRICS + M2PO_METRICS if any(step.get(key) is not None for step in steps))
     series = {key: [_rounded(step.get(key)) for step in steps] for key in kept}
     series["max_age"] = [max(step["ages"]) if step["ages"] else None for step in steps]
     record = {"config": observations["config"], "seconds": round(observations["seconds"]), "series": series}
+    if observations.get("learner_rewards"):  # per push, the first before any step
+        record["learner_reward"] = [_rounded(push["reward"]) for push in observations["learner_rewards"]]
     if observations.get("concurrent", 1) != 1:
         record["concurrent"] = observations["concurrent"]
     return record
@@ -61,7 +74,7 @@ class RunStore:
         if not path.exists():
             return None
         record = json.loads(path.read_text())
-        if record["config"] != asdict(config):
+        if recorded_config(record) != asdict(config):
             raise SystemExit(f"{path} holds another configuration than {asdict(config)}: {record['config']}")
         return record
 
