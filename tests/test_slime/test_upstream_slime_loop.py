@@ -133,3 +133,12 @@ def test_slime_ppo_with_tis_reports_its_correction_and_the_drift_from_the_sample
     assert abs(first["tis"] - 1) < AGE_ZERO_DRIFT and abs(first["ppo_kl"]) < AGE_ZERO_DRIFT
     assert abs(stale["tis"] - 1) > 100 * AGE_ZERO_DRIFT
     assert abs(stale["ppo_kl"]) < AGE_ZERO_DRIFT < abs(stale["drift"])  # old == current at the step, sampler behind
+
+
+def test_the_learners_reward_is_recorded_at_every_push(runs):
+    """The pushed weights' held-out answers at every push (bench/slime_loop/learner_reward.py),
+    the first before any step: a mean reward per push, in [0, 1]."""
+    for name, config in (("sfc", SFC), ("reinforce", REINFORCE), ("ppo_tis", PPO_TIS), ("interpreted", INTERPRETED)):
+        rewards = runs[name]["learner_rewards"]
+        assert [push["pushed"] for push in rewards] == list(range(1, config.rollouts + 2)), name
+        assert all(0.0 <= push["reward"] <= 1.0 for push in rewards), name
