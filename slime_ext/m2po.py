@@ -16,7 +16,8 @@ position in the cp = 1 order: the result is the cp = 1 one). Tensor-parallel ran
 log-probs and so the same selection. The metrics, per token for slime's reducer: `m2po_masked_frac`
 (1 where M masks a token), `m2po_m2_before` and `m2po_m2_after` (the micro-batch's mean M2 over T
 before and after masking, 0 for an empty T, on every token: the reducer averages them over samples,
-or tokens on the per-token path, like the other metrics).
+or tokens on the per-token path, like the other metrics). The SFC loss takes the same region
+(`second_moment_region`) under --sfc-m2-tau to mask its centered-score term.
 """
 
 from typing import Dict, NamedTuple, Optional
@@ -46,15 +47,24 @@ def _global_positions(batch, cp_rank: int, cp_size: int, device) -> torch.Tensor
     return (torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)).to(device)
 
 
-def m2po_terms(args, batch, log_probs: torch.Tensor, advantages: torch.Tensor) -> Optional[M2POTerms]:
-    """M2PO's terms from the rank's concatenated current log-probs and advantages (None when off)."""
-    threshold = tau(args)
-    if threshold is None:
-        return None
+class SecondMomentRegion(NamedTuple):
+    """The trust region over a micro-batch: which tokens it keeps ([N] bool), the log-ratio to
+    the sampler (current - rollout log-prob, with the current log-probs' gradient) and the
+    per-token metrics."""
+
+    keep: torch.Tensor
+    log_ratio: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+
+
+def second_moment_region(batch, log_probs: torch.Tensor, advantages: torch.Tensor, threshold: float, flag: str) -> SecondMomentRegion:
+    """M2PO's trust region at `threshold` over the micro-batch, from the rank's concatenated
+    current log-probs of the sampled tokens and their advantages (slime's CP layout); `flag`
+    names the setting in the error when the batch has no rollout log-probs."""
     rollout_log_probs = batch.get("rollout_log_probs")
     if not rollout_log_probs:
         raise ValueError(
-            f"{FLAG} needs the rollout log-probs (rollout_log_probs: each token's log-prob under the policy that "
+            f"{flag} needs the rollout log-probs (rollout_log_probs: each token's log-prob under the policy that "
             "sampled it, which slime's rollout records on Sample.rollout_log_probs) in the batch; it has none"
         )
     cp_rank, cp_size = megatron.cp_rank_and_size()
@@ -69,14 +79,23 @@ def m2po_terms(args, batch, log_probs: torch.Tensor, advantages: torch.Tensor) -
         positions=_global_positions(batch, cp_rank, cp_size, device), num_positions=sum(batch["response_lengths"]),
         group=megatron.cp_group() if cp_size > 1 else None,
     )  # fmt: skip
-    kept = region.keep.to(log_ratio.dtype)
-    # exp of a masked token's log-ratio is never formed: its value (inf for an extreme outlier)
-    # would turn 0 * inf into NaN, in the loss and in the gradient
-    ratio = torch.exp(torch.where(region.keep, log_ratio, torch.zeros_like(log_ratio)))
     ones = torch.ones_like(ahead)
     metrics = {
-        "m2po_masked_frac": 1 - kept,
+        "m2po_masked_frac": 1 - region.keep.to(ones.dtype),
         "m2po_m2_before": ones * region.before.to(ones.dtype),
         "m2po_m2_after": ones * region.after.to(ones.dtype),
     }
-    return M2POTerms(-kept * ratio * advantages, metrics)
+    return SecondMomentRegion(region.keep, log_ratio, metrics)
+
+
+def m2po_terms(args, batch, log_probs: torch.Tensor, advantages: torch.Tensor) -> Optional[M2POTerms]:
+    """M2PO's terms from the rank's concatenated current log-probs and advantages (None when off)."""
+    threshold = tau(args)
+    if threshold is None:
+        return None
+    region = second_moment_region(batch, log_probs, advantages, threshold, FLAG)
+    kept = region.keep.to(region.log_ratio.dtype)
+    # exp of a masked token's log-ratio is never formed: its value (inf for an extreme outlier)
+    # would turn 0 * inf into NaN, in the loss and in the gradient
+    ratio = torch.exp(torch.where(region.keep, region.log_ratio, torch.zeros_like(region.log_ratio)))
+    return M2POTerms(-kept * ratio * advantages, region.metrics)

@@ -21,7 +21,7 @@ GENERATE_PATH = "fusedrl.slime_ext.rollout.sfc_draws.generate"
 AGG_MODES = {"sample-mean": ("sample_mean", None), "token-mean": ("token_mean", None), "token-sum": ("constant", 1.0)}
 FLAGS = (
     "sfc_num_auxiliary_token_samples", "sfc_kl_beta", "sfc_loss_agg_mode", "sfc_inner_generate_function_path",
-    "sfc_max_refused_frac",
+    "sfc_max_refused_frac", "sfc_m2_tau",
 )  # fmt: skip
 # slime's flags that train on a rollout dumped by another job (its tokens' weight versions are that job's)
 REPLAY_FLAGS = {
@@ -79,6 +79,15 @@ def add_arguments(parser):
         "push has reached, a malformed answer) before the job stops with the causes; every refusal is logged as "
         "sfc/refused_* rollout metrics. Default 0: any refusal stops the job.",
     )
+    parser.add_argument(
+        "--sfc-m2-tau",
+        type=float,
+        metavar="TAU",
+        default=None,
+        help="M2PO's second-moment trust region on the SFC loss: the centered-score term of the micro-batch's "
+        "tokens with the largest (log pi - log pi_rollout)^2, among those a PPO clip would act on, masked until "
+        "their mean is <= TAU (the KL term stays on every token). Finite and > 0. Default: off.",
+    )
     return parser
 
 
@@ -98,6 +107,9 @@ def validate_args(args) -> Optional[Implied]:
     refused = args.sfc_max_refused_frac
     if refused is not None and not 0 <= float(refused) < 1:
         raise ValueError(f"--sfc-max-refused-frac must be in [0, 1), got {refused!r}")
+    tau = args.sfc_m2_tau
+    if tau is not None and not (math.isfinite(float(tau)) and float(tau) > 0):
+        raise ValueError(f"--sfc-m2-tau must be finite and > 0, got {tau!r}")
     _check_untruncated_sampling(args)
     _reject_ratio_corrections(args)
     _reject_replayed_rollouts(args)

@@ -4,7 +4,11 @@ fusedrl.slime_ext.losses.sfc_loss` (the math is in `centering`, the flags in `fl
 Per micro-batch: one kernel call over the rank's response rows with J = 1 + K ids each (the
 sampled token and the K draws the rollout side carried, `rollout/sfc_draws.py`), each token's age
 from the weight-version clock (`age`), and the per-token loss aggregated by --loss-aggregation
-(set from --sfc-loss-agg-mode).
+(set from --sfc-loss-agg-mode). Under --sfc-m2-tau, M2PO's trust region over the micro-batch
+(`m2po.second_moment_region`: the log-ratio of the current to the rollout log-prob of the sampled
+token) masks the centered-score term of the tokens it removes; the KL term, the pull toward the
+sampler, stays on every token. It needs every token's log-prob first, so under
+--fusedrl-fused-lm-head it takes the recompute path.
 """
 
 from typing import List, NamedTuple, Optional
@@ -15,6 +19,7 @@ from .. import carry, one_pass
 from ..age import CLOCK
 from ..aggregation import aggregate_pg_loss
 from ..arguments import check_at_first_use
+from ..m2po import second_moment_region
 from ..responses import ResponseTokens, check_values
 from .centering import CenteredScores, center, centered_scores, checked_draw_weights, kl_coefficients, sfc_token_loss
 from .contract import detached, reaching_logits
@@ -37,7 +42,8 @@ def sfc_loss(args, batch, logits, sum_of_sample_mean):
     kl_coefs = kl_coefficients(draws.ages, float(args.sfc_kl_beta))
     validate = check_values()
     temperature = float(args.rollout_temperature)
-    if one_pass.applies(draws.tokens, "sfc_loss"):
+    tau = getattr(args, "sfc_m2_tau", None)
+    if one_pass.applies(draws.tokens, "sfc_loss", needs_whole_batch=None if tau is None else "--sfc-m2-tau"):
         if draws.weights is not None:  # checked before the op adds any gradient
             checked_draw_weights(draws.weights, *draws.weights.shape, validate)
         weights = one_pass.coefficients(lambda x: aggregate_pg_loss(args, batch, x), advantages.numel(), advantages.device)
@@ -56,7 +62,9 @@ def sfc_loss(args, batch, logits, sum_of_sample_mean):
         stats = draws.tokens.token_stats(logits, draws.ids, temperature=temperature, validate=validate)
         per_row = torch.stack(center(stats, draws.weights, validate=validate), dim=-1)
         scores = CenteredScores(*torch.cat(draws.tokens.per_sample(per_row)).unbind(-1))
-        loss = aggregate_pg_loss(args, batch, sfc_token_loss(scores, advantages, kl_coefs))
+        region = None if tau is None else second_moment_region(batch, scores.logp, advantages, float(tau), "--sfc-m2-tau")
+        trained = scores if region is None else scores._replace(centered_score=scores.centered_score * region.keep)
+        loss = aggregate_pg_loss(args, batch, sfc_token_loss(trained, advantages, kl_coefs))
     loss = reaching_logits(loss, logits, advantages.numel())
     metrics = {
         "loss": loss,
@@ -68,6 +76,8 @@ def sfc_loss(args, batch, logits, sum_of_sample_mean):
     }
     if batch.get("rollout_log_probs"):
         metrics["ppo_kl"] = sum_of_sample_mean(_cat(batch["rollout_log_probs"], scores.logp) - scores.logp)
+    if tau is not None:
+        metrics.update({key: sum_of_sample_mean(value) for key, value in region.metrics.items()})
     return loss, detached(metrics)
 
 

@@ -25,6 +25,7 @@ from fusedrl.slime_ext.losses.sfc import (
 )
 from distributed import RankInfo
 from numerics import assert_parity
+from test_m2po import full_m2_and_set, loop_trust_region, tau_between
 from slime_harness import (
     RESPONSES,
     TOTALS,
@@ -48,15 +49,16 @@ BETA = 0.7
 
 def sfc_args(num_draws, agg_mode="sample-mean", **overrides):
     aggregation, divisor = AGG_MODES[agg_mode]
-    return slime_args(
+    values = dict(
         custom_loss_function_path="fusedrl.slime_ext.losses.sfc_loss",
         sfc_num_auxiliary_token_samples=num_draws,
         sfc_kl_beta=BETA,
+        sfc_m2_tau=None,
         loss_aggregation=aggregation,
         loss_aggregation_divisor=divisor,
         calculate_per_token_loss=aggregation == "token_mean",
-        **overrides,
     )
+    return slime_args(**{**values, **overrides})
 
 
 def make_draws(seed, samples, num_draws):
@@ -83,10 +85,29 @@ def carried_batch(samples, draws, versions, cp_rank, cp_size):
 # ----------------------------------------------------------------------------- reference
 
 
+def sampled_log_probs(full_logits, samples, temperature):
+    """Per sample, float64 log-probs of its sampled response tokens (every response position)."""
+    out = []
+    for logits, s in zip(full_logits, samples):
+        total, response = len(s.tokens), s.response_length
+        z = logits[total - response - 1 : total - 1].double() / temperature
+        out.append(torch.log_softmax(z, -1).gather(1, s.tokens[total - response :, None])[:, 0])
+    return out
+
+
+def trust_region_truth(args, full_logits, samples):
+    """(keep per token in cp = 1 order, M2 before, after) of --sfc-m2-tau by the paper's loop."""
+    m2, in_set = full_m2_and_set(samples, sampled_log_probs(full_logits, samples, args.rollout_temperature))
+    return loop_trust_region(m2, in_set, args.sfc_m2_tau)
+
+
 def reference_sfc(args, batch, full_logits, samples, draws, versions, reducer, cp_rank, cp_size):
-    """Eager float64 SFC loss and metrics for one rank, from the formulas."""
+    """Eager float64 SFC loss and metrics for one rank, from the formulas (the trust region of
+    --sfc-m2-tau by the paper's loop over the whole micro-batch)."""
     tau = args.rollout_temperature
-    per_token, scores, kls, ages, drift = [], [], [], [], []
+    region = None if args.sfc_m2_tau is None else trust_region_truth(args, full_logits, samples)
+    keep = None if region is None else torch.tensor(region[0], dtype=torch.float64).split([s.response_length for s in samples])
+    per_token, scores, kls, ages, drift, kept = [], [], [], [], [], []
     for i, s in enumerate(samples):
         total, response = len(s.tokens), s.response_length
         pos = rank_response_positions(total, response, cp_rank, cp_size)
@@ -97,8 +118,9 @@ def reference_sfc(args, batch, full_logits, samples, draws, versions, reducer, c
         lp = torch.log_softmax(z, -1)
         kl = -lp.gather(1, v).mean(-1)
         age = torch.tensor([STEPS_STARTED - 1 - PUSHES[int(x)] for x in versions[i][pos]], dtype=torch.float64)
-        beta = torch.tensor([BETA / math.sqrt(x) if x > 0 else 0.0 for x in age.tolist()], dtype=torch.float64)
-        per_token.append(-batch["advantages"][i].double() * c + beta * kl)
+        beta = torch.tensor([args.sfc_kl_beta / math.sqrt(x) if x > 0 else 0.0 for x in age.tolist()], dtype=torch.float64)
+        kept.append(torch.ones_like(c) if keep is None else keep[i][pos])
+        per_token.append(-batch["advantages"][i].double() * c * kept[-1] + beta * kl)
         scores.append(c)
         kls.append(beta * kl)
         ages.append(age)
@@ -119,6 +141,10 @@ def reference_sfc(args, batch, full_logits, samples, draws, versions, reducer, c
         "sfc_stale_frac": reducer((ages > 0).double()),
         "ppo_kl": reducer(torch.cat(drift)),
     }
+    if region is not None:
+        ones = torch.ones_like(ages)
+        metrics.update(m2po_masked_frac=reducer(1 - torch.cat(kept)), m2po_m2_before=reducer(ones * region[1]),
+                       m2po_m2_after=reducer(ones * region[2]))  # fmt: skip
     return loss, metrics
 
 
@@ -145,7 +171,11 @@ CASES = {
     "k8_cp2_token_sum_temperature": (1, 2, 8, "token-sum", dict(rollout_temperature=0.7)),
     "k8_tp2_cp2": (2, 2, 8, "sample-mean", {}),
     "k4_allgather_cp2": (1, 2, 4, "sample-mean", dict(allgather_cp=True, rollout_temperature=1.3)),
+    # --sfc-m2-tau at a threshold that removes 2 tokens of the set (TRUST_REGION_REMOVED)
+    "k4_trust_region_token_sum": (1, 1, 4, "token-sum", dict(sfc_m2_tau="between")),
+    "k4_trust_region_cp2_kl_off": (1, 2, 4, "sample-mean", dict(sfc_m2_tau="between", sfc_kl_beta=0.0)),
 }
+TRUST_REGION_REMOVED = 2
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -155,6 +185,10 @@ def test_sfc_loss_matches_reference(case, device):
     samples = make_samples(31, TOTALS, RESPONSES, VOCAB)
     draws, versions = make_draws(32, samples, num_draws)
     full_logits = make_logits(31, TOTALS, VOCAB)
+    if args.sfc_m2_tau == "between":  # half way between two of the loop's means: rounding cannot move it
+        lps = sampled_log_probs(full_logits, samples, args.rollout_temperature)
+        args.sfc_m2_tau = tau_between(*full_m2_and_set(samples, lps), TRUST_REGION_REMOVED)
+        assert sum(not k for k in trust_region_truth(args, full_logits, samples)[0]) == TRUST_REGION_REMOVED
 
     ref_logits = [x.clone().requires_grad_() for x in full_logits]
     expected = reference_losses(

@@ -81,6 +81,7 @@ FLAG_CONTEXTS = {
     "--sfc-loss-agg-mode": SFC_LOSS,
     "--sfc-inner-generate-function-path": SFC_LOSS,
     "--sfc-max-refused-frac": SFC_LOSS,
+    "--sfc-m2-tau": SFC_LOSS,
     "--fusedrl-fused-lm-head": POLICY_LOSS,
     "--fusedrl-keep-slime-log-probs": [],
     "--fusedrl-m2po-tau": POLICY_LOSS,
