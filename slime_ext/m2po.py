@@ -37,11 +37,11 @@ class M2POTerms(NamedTuple):
     metrics: Dict[str, torch.Tensor]
 
 
-def _global_positions(batch, cp_rank: int, cp_size: int, device) -> torch.Tensor:
+def global_positions(total_lengths, response_lengths, cp_rank: int, cp_size: int, device) -> torch.Tensor:
     """[N] int64: each of the rank's response tokens (slime's zigzag layout) at its place in the
     micro-batch's cp = 1 order (samples concatenated, response positions in order)."""
     pieces, offset = [], 0
-    for total, response in zip(batch["total_lengths"], batch["response_lengths"], strict=True):
+    for total, response in zip(total_lengths, response_lengths, strict=True):
         pieces += [torch.arange(offset + lo, offset + hi) for lo, hi in response_ranges(total, response, cp_rank, cp_size)]
         offset += response
     return (torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)).to(device)
@@ -76,7 +76,8 @@ def second_moment_region(batch, log_probs: torch.Tensor, advantages: torch.Tenso
     in_set = loss_mask & (((advantages > 0) & (ahead > 0)) | ((advantages < 0) & (ahead < 0)))
     region = second_moment_mask(
         ahead.double() ** 2, in_set, threshold,
-        positions=_global_positions(batch, cp_rank, cp_size, device), num_positions=sum(batch["response_lengths"]),
+        positions=global_positions(batch["total_lengths"], batch["response_lengths"], cp_rank, cp_size, device),
+        num_positions=sum(batch["response_lengths"]),
         group=megatron.cp_group() if cp_size > 1 else None,
     )  # fmt: skip
     ones = torch.ones_like(ahead)

@@ -15,8 +15,13 @@ change that objective without a word is refused here, naming the flag:
 - --pg-loss-type reinforce: ratio-free, which M2PO's pg_loss would replace;
 - --eps-clip-c: dual clip bounds the PPO clip's loss, and M2PO has no clip to bound.
 
-slime does not define the flag; were a slime to define it, `arguments.add_fusedrl_arguments`
-would refuse it by name rather than register it twice (the package cannot know slime's meaning).
+--fusedrl-m2-tis-tau is the threshold of AReaL's variant (`slime_ext/m2_tis.py`), a TIS function
+for slime's own policy loss and the package's, read by that function alone: refused without it as
+--custom-tis-function-path, or without --use-tis / --get-mismatch-metrics (slime calls no TIS
+function then), and the function refused without the flag.
+
+slime does not define the flags; were a slime to define them, `arguments.add_fusedrl_arguments`
+would refuse them by name rather than register them twice (the package cannot know slime's meaning).
 """
 
 import math
@@ -24,6 +29,8 @@ import math
 from .policy import LOSS_PATHS, pg_loss_type, uses_policy_loss
 
 FLAG = "--fusedrl-m2po-tau"
+TIS_FLAG = "--fusedrl-m2-tis-tau"
+TIS_FUNCTION_PATH = "fusedrl.slime_ext.m2_tis.m2_trust_region_tis"
 
 
 def add_arguments(parser):
@@ -38,7 +45,21 @@ def add_arguments(parser):
         "those a PPO clip would act on until their mean is <= TAU (the paper uses 0.04). Finite and > 0. "
         "Default: off.",
     )
+    parser.add_argument(
+        TIS_FLAG,
+        type=float,
+        metavar="TAU",
+        default=None,
+        help=f"AReaL's M2 trust region as slime's TIS function (--use-tis --custom-tis-function-path {TIS_FUNCTION_PATH}): "
+        "the micro-batch's loss-masked tokens with the largest (log pi_old - log pi_rollout)^2 masked until their "
+        "mean is <= TAU, the rest weighted by slime's clamped TIS ratio. Finite and > 0. Default: off.",
+    )
     return parser
+
+
+def tis_tau(args):
+    """AReaL's variant's threshold (None: not given)."""
+    return getattr(args, "fusedrl_m2_tis_tau", None)
 
 
 def tau(args):
@@ -51,8 +72,24 @@ def enabled(args):
     return FLAG if tau(args) is not None else None
 
 
+def _validate_tis_variant(args) -> None:
+    """AReaL's variant: its threshold and its TIS function go together, and slime must call it."""
+    value, path = tis_tau(args), getattr(args, "custom_tis_function_path", None)
+    if value is None:
+        if path == TIS_FUNCTION_PATH:
+            raise ValueError(f"--custom-tis-function-path {path} needs {TIS_FLAG} (its tau)")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{TIS_FLAG} must be finite and > 0, got {value!r}")
+    if path != TIS_FUNCTION_PATH:
+        raise ValueError(f"{TIS_FLAG} {value} is read only by --custom-tis-function-path {TIS_FUNCTION_PATH}, got {path!r}")
+    if not (getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False)):
+        raise ValueError(f"{TIS_FLAG} {value} needs --use-tis: slime calls its TIS function only under it (or --get-mismatch-metrics)")
+
+
 def validate_args(args) -> None:
-    """Startup checks when the flag is given; ValueError naming it and the conflicting flag."""
+    """Startup checks when the flags are given; ValueError naming them and the conflicting flag."""
+    _validate_tis_variant(args)
     value = tau(args)
     if value is None:
         return

@@ -35,6 +35,7 @@ from slime_harness import (
     slime_args,
     sum_of_sample_mean,
 )
+from numerics import assert_parity
 from test_policy_loss import PROMPT_DENOMINATORS, reference_pg_term
 
 from fusedrl.slime_ext import arguments, corrections
@@ -345,3 +346,48 @@ def test_the_flag_and_the_fused_lm_heads_recompute_path():
     assert parser.parse_args([FLAG, "0.04"]).fusedrl_m2po_tau == 0.04
     assert corrections.whole_batch(slime_args(fusedrl_m2po_tau=0.04)) == FLAG
     assert corrections.whole_batch(slime_args()) is None and m2po_flags.enabled(slime_args()) is None
+
+
+# ----------------------------------------------------------------------------- AReaL's variant as a TIS function
+
+
+def test_areal_variant_matches_the_loop():
+    """`m2_trust_region_tis` against the paper's loop over every loss-masked token's
+    (old - rollout)^2, no quadrant: the masked tokens leave pg_loss and the loss masks, the kept
+    ones are weighted by slime's clamped TIS ratio."""
+    from fusedrl.slime_ext.m2_tis import m2_trust_region_tis
+
+    samples = make_samples(41, TOTALS, RESPONSES, VOCAB)
+    old = [s.log_probs for s in samples]
+    rollout = [s.rollout_log_probs for s in samples]
+    masks = [s.loss_mask for s in samples]
+    m2 = [(o - r).double().pow(2).tolist() for o, r in zip(old, rollout)]
+    flat_m2, in_set = sum(m2, []), sum((m.bool().tolist() for m in masks), [])
+    tau = tau_between(flat_m2, in_set, 3)
+    keep, before, after = loop_trust_region(flat_m2, in_set, tau)
+    args = slime_args(tis_clip=1.1, tis_clip_low=0.9, fusedrl_m2_tis_tau=tau)
+    pg_loss = torch.randn(sum(RESPONSES), generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    out, out_masks, metrics = m2_trust_region_tis(
+        args, pg_loss=pg_loss, train_log_probs=old, rollout_log_probs=rollout, loss_masks=masks,
+        total_lengths=TOTALS, response_lengths=RESPONSES,
+    )  # fmt: skip
+    keep = torch.tensor(keep, dtype=torch.float64)
+    ratio = torch.exp(torch.cat(old).double() - torch.cat(rollout).double())
+    assert_parity(out, pg_loss * ratio.clamp(0.9, 1.1) * keep, 1e-12)
+    assert torch.equal(torch.cat(out_masks).double(), torch.cat(masks).double() * keep)
+    assert int((keep == 0).sum()) == 3 and float(metrics["m2_masked_frac"].sum()) == 3
+    assert float(metrics["m2_before"][0]) == pytest.approx(before, rel=1e-12) and float(metrics["m2_after"][0]) == pytest.approx(after, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (dict(fusedrl_m2_tis_tau=0.1, use_tis=True), "read only by --custom-tis-function-path"),
+        (dict(fusedrl_m2_tis_tau=0.1, custom_tis_function_path="fusedrl.slime_ext.m2_tis.m2_trust_region_tis"), "needs --use-tis"),
+        (dict(fusedrl_m2_tis_tau=-1.0, use_tis=True, custom_tis_function_path="fusedrl.slime_ext.m2_tis.m2_trust_region_tis"), "finite and > 0"),
+        (dict(use_tis=True, custom_tis_function_path="fusedrl.slime_ext.m2_tis.m2_trust_region_tis"), "needs --fusedrl-m2-tis-tau"),
+    ],
+)
+def test_areal_variant_refused_at_startup(overrides, named):
+    with pytest.raises(ValueError, match=named):
+        m2po_flags.validate_args(slime_args(loss_type="policy_loss", **overrides))

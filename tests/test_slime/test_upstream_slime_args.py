@@ -82,6 +82,7 @@ FLAG_CONTEXTS = {
     "--sfc-inner-generate-function-path": SFC_LOSS,
     "--sfc-max-refused-frac": SFC_LOSS,
     "--sfc-m2-tau": SFC_LOSS,
+    "--fusedrl-m2-tis-tau": ["--use-tis", "--custom-tis-function-path", "fusedrl.slime_ext.m2_tis.m2_trust_region_tis"],
     "--fusedrl-fused-lm-head": POLICY_LOSS,
     "--fusedrl-keep-slime-log-probs": [],
     "--fusedrl-m2po-tau": POLICY_LOSS,

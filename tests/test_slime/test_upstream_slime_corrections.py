@@ -8,7 +8,8 @@ float64 one of `slime_float64`, its torch.compile'd PPO and CISPO terms run eage
 logits slime asserts; the package runs in float32 through the same `loss_function`. The cases cover TIS
 (--use-tis, --tis-clip, --tis-clip-low), a custom TIS function by path (slime's own
 `icepop_function`, and `slime_harness.reject_outside_tis_band`, which drops tokens from the loss
-masks), the mismatch metrics, CISPO with TIS and the unbiased KL, --use-rollout-logprobs,
+masks), the package's AReaL trust region (`fusedrl.slime_ext.m2_tis`, which masks tokens across
+the cp ranks), the mismatch metrics, CISPO with TIS and the unbiased KL, --use-rollout-logprobs,
 OPSM and GSPO. The old, rollout and reference log-probs lie near the current ones (PPO ratios,
 TIS ratios and OPSM's sequence KL fall on both sides of every band), samples are partly masked,
 one is fully masked, and at cp = 2 a one-token response leaves a rank without a token of it.
@@ -50,6 +51,7 @@ SIGNED_SUMS = {"loss": 1.0, "pg_loss": 1.0}
 BAND = dict(tis_clip=1.1, tis_clip_low=0.9)
 ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
 REJECTION = "slime_harness.reject_outside_tis_band"
+M2_TIS = "fusedrl.slime_ext.m2_tis.m2_trust_region_tis"  # AReaL's M2 trust region as a TIS function
 KL = dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
 CASES = {  # each case several options, so that one pool call stays short
     "tis_dual_clip_entropy_kl": dict(use_tis=True, eps_clip_c=3.0, entropy_coef=0.01, **KL, **BAND),
@@ -58,6 +60,7 @@ CASES = {  # each case several options, so that one pool call stays short
         use_unbiased_kl=True, **KL, **BAND),
     "rejection_opsm_entropy": dict(use_tis=True, custom_tis_function_path=REJECTION, use_opsm=True, opsm_delta=0.0,
                                    entropy_coef=0.01, **BAND),
+    "m2_trust_region_tis": dict(use_tis=True, custom_tis_function_path=M2_TIS, fusedrl_m2_tis_tau=0.02, **BAND),
     "gspo_mismatch_metrics_rollout_logprobs": dict(
         advantage_estimator="gspo", eps_clip=0.05, get_mismatch_metrics=True, custom_tis_function_path=REJECTION,
         use_rollout_logprobs=True, **BAND),
