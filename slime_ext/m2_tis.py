@@ -14,8 +14,8 @@ the behaviour importance ratio pi_old / pi_behav clamped to [--tis-clip-low, --t
 vanilla TIS, AReaL's decoupled loss), the masked ones drop out of the returned loss masks (slime
 then leaves them out of every numerator, the denominators unchanged).
 
-Metrics: slime's TIS ones (`tis`, `tis_clipfrac`, `tis_abs`) and `m2_masked_frac`,
-`m2_before`, `m2_after` (the micro-batch's mean M2 before and after masking, on every token).
+Metrics: slime's TIS ones (`tis`, `tis_clipfrac`, `tis_abs`) and M2PO's `m2po_masked_frac`,
+`m2po_m2_before`, `m2po_m2_after` (the micro-batch's mean M2 before and after masking, on every token).
 """
 
 from typing import Dict, List, Tuple
@@ -54,9 +54,9 @@ def m2_trust_region_tis(
         "tis": ratio.to(pg_loss.dtype),
         "tis_clipfrac": (weights != ratio).to(pg_loss.dtype),
         "tis_abs": (ratio - 1).abs().to(pg_loss.dtype),
-        "m2_masked_frac": 1 - kept,
-        "m2_before": ones * region.before.to(ones.dtype),
-        "m2_after": ones * region.after.to(ones.dtype),
+        "m2po_masked_frac": 1 - kept,
+        "m2po_m2_before": ones * region.before.to(ones.dtype),
+        "m2po_m2_after": ones * region.after.to(ones.dtype),
     }
     masks = _without_masked(loss_masks, region.keep, positions, response_lengths, group)
     return pg_loss * weights.to(pg_loss.dtype) * kept, masks, metrics

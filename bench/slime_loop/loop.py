@@ -64,7 +64,10 @@ PPO_CORRECTIONS = {
     "icepop": ["--use-tis", "--tis-clip", "2", "--tis-clip-low", "0.5",
                "--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"],
 }  # fmt: skip
-METHODS = ("reinforce", "sfc", *PPO_CORRECTIONS, "m2po")
+# The trust-region methods, each at a threshold (LoopConfig.m2po_tau): M2PO on the package's policy
+# loss, SFC + KL with the same trust region, AReaL's variant through slime's own PPO loss + TIS.
+TRUST_REGION_METHODS = ("m2po", "sfc_m2", "areal_m2")
+METHODS = ("reinforce", "sfc", *PPO_CORRECTIONS, *TRUST_REGION_METHODS)
 HOST = sglang_server.HOST
 ENGINE_START_TIMEOUT_S = 1200.0  # SGLang's start-up has taken over 7 minutes on a busy 2-core machine
 
@@ -84,13 +87,13 @@ class LoopConfig:
     num_draws: int = 4  # K
     kl_beta: float = 0.3  # beta0
     max_tokens_per_step: int = 2048
-    m2po_tau: Optional[float] = None  # M2PO's threshold (--fusedrl-m2po-tau): the m2po method's alone
+    m2po_tau: Optional[float] = None  # the trust region's threshold: TRUST_REGION_METHODS' alone
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if (self.method == "m2po") != (self.m2po_tau is not None):
-            raise ValueError(f"m2po_tau goes with the m2po method and no other, got {self.m2po_tau!r} for {self.method!r}")
+        if (self.method in TRUST_REGION_METHODS) != (self.m2po_tau is not None):
+            raise ValueError(f"m2po_tau goes with the methods {TRUST_REGION_METHODS} and no other, got {self.m2po_tau!r} for {self.method!r}")
         if self.lag < 0:
             raise ValueError(f"lag must be >= 0, got {self.lag}")
         if self.samples_per_step % self.samples_per_prompt:
@@ -143,11 +146,18 @@ def slime_argv(config: LoopConfig, files: Files) -> list:
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1",
         "--rollout-num-gpus", "1", "--rollout-num-gpus-per-engine", "1",
     ]  # fmt: skip
-    if config.method == "sfc":
+    if config.method in ("sfc", "sfc_m2"):
         return argv + [
             "--loss-type", "custom_loss", "--custom-loss-function-path", "fusedrl.slime_ext.losses.sfc_loss",
             "--sfc-num-auxiliary-token-samples", str(config.num_draws), "--sfc-kl-beta", str(config.kl_beta),
             "--sfc-loss-agg-mode", "token-sum",
+        ] + (["--sfc-m2-tau", str(config.m2po_tau)] if config.method == "sfc_m2" else [])  # fmt: skip
+    if config.method == "areal_m2":
+        # slime's own PPO loss with AReaL's M2 trust region as its TIS function (slime_ext/m2_tis.py)
+        return argv + [
+            "--loss-type", "policy_loss", *PPO_CLIP, *PPO_CORRECTIONS["ppo_tis"],
+            "--custom-tis-function-path", "fusedrl.slime_ext.m2_tis.m2_trust_region_tis",
+            "--fusedrl-m2-tis-tau", str(config.m2po_tau),
         ]  # fmt: skip
     if config.method == "m2po":
         # the package's policy loss with M2PO's trust region in the paper's form: the ratio to the
@@ -338,7 +348,7 @@ class Observations:
 
     def result(self) -> dict:
         steps = []
-        ppo = self.config.method in PPO_CORRECTIONS
+        ppo = self.config.method in (*PPO_CORRECTIONS, "areal_m2")
         for step, log in enumerate(self.train_logs):
             steps.append(
                 {
@@ -350,7 +360,7 @@ class Observations:
                     "pg_loss": log.get("train/pg_loss"),
                     "ages": self.ages.get(step),
                     **({key: log.get(f"train/{key}") for key in PPO_METRICS} if ppo else {}),
-                    **({key: log.get(f"train/{key}") for key in M2PO_METRICS} if self.config.method == "m2po" else {}),
+                    **({key: log.get(f"train/{key}") for key in M2PO_METRICS} if self.config.method in TRUST_REGION_METHODS else {}),
                 }
             )
         from fusedrl.kernels import _dispatch

@@ -27,8 +27,10 @@ It prints a progress line per run with the time left.
 steps, stale): first M2PO's threshold, a seed-0 grid of M2PO (the package's policy loss,
 `--fusedrl-m2po-tau`) at lag TRUST_REGION_LAG and rate TRUST_REGION_LR over TAU_GRID, extended by
 factors of 4 while the learner's reward (bench/slime_loop/learner_reward.py, over the run's last
-pushes) still rises at the grid's top (at most MAX_WIDENINGS times); then M2PO at the chosen
-threshold at lags M2PO_LAGS over the seeds, seed by seed.
+pushes) still rises at the grid's top (at most MAX_WIDENINGS times); then, at the chosen
+threshold, seed by seed, M2PO at lags M2PO_LAGS, and at lag TRUST_REGION_LAG SFC + KL with the same
+trust region (`--sfc-m2-tau`) and AReaL's variant through slime's own PPO loss + TIS
+(slime_ext/m2_tis.py).
 
 `--workers N` runs N runs at once, each pinned to a core of its own with its own SGLang server and
 one compute thread (bench/slime_loop/loop.py's `pinned`); docs/results.md gives runs per hour
@@ -138,9 +140,14 @@ def chosen_tau(options, run, widened=None) -> float:
 
 
 def trust_region_configs(options, tau: float) -> list:
-    """The trust-region study's arms at M2PO's threshold `tau`, seed by seed, lag by lag."""
+    """The trust-region study's arms at the threshold `tau`, seed by seed: M2PO lag by lag, then
+    at lag TRUST_REGION_LAG SFC + KL with the trust region and AReaL's variant through slime's loss."""
     base = replace(base_config(options), method="m2po", lr=TRUST_REGION_LR, m2po_tau=tau)
-    return [replace(base, lag=lag, seed=seed) for seed in range(options.seeds) for lag in M2PO_LAGS]
+    return [
+        config for seed in range(options.seeds) for config in
+        [replace(base, method="m2po", lag=lag, seed=seed) for lag in M2PO_LAGS]
+        + [replace(base, method=method, lag=TRUST_REGION_LAG, seed=seed) for method in ("sfc_m2", "areal_m2")]
+    ]  # fmt: skip
 
 
 def next_rate(rate: float, direction: int) -> float:

@@ -375,8 +375,8 @@ def test_areal_variant_matches_the_loop():
     ratio = torch.exp(torch.cat(old).double() - torch.cat(rollout).double())
     assert_parity(out, pg_loss * ratio.clamp(0.9, 1.1) * keep, 1e-12)
     assert torch.equal(torch.cat(out_masks).double(), torch.cat(masks).double() * keep)
-    assert int((keep == 0).sum()) == 3 and float(metrics["m2_masked_frac"].sum()) == 3
-    assert float(metrics["m2_before"][0]) == pytest.approx(before, rel=1e-12) and float(metrics["m2_after"][0]) == pytest.approx(after, rel=1e-12)
+    assert int((keep == 0).sum()) == 3 and float(metrics["m2po_masked_frac"].sum()) == 3
+    assert float(metrics["m2po_m2_before"][0]) == pytest.approx(before, rel=1e-12) and float(metrics["m2po_m2_after"][0]) == pytest.approx(after, rel=1e-12)
 
 
 @pytest.mark.parametrize(
