@@ -3,26 +3,33 @@ the closing table and two charts.
 
 A run here is the compact record the study commits (`stale_rollouts_store.compact`): its
 configuration and per-step series (`reward`, `drift`, `grad_norm`, `pg_loss`, `max_age`; for
-slime's PPO loss also `pg_clipfrac`, `tis`, `tis_clipfrac`). An arm is a method at a learning rate
-and a lag, over its seeds; a family is a method at a rate, over its lags.
+slime's PPO loss also `pg_clipfrac`, `tis`, `tis_clipfrac`; for the trust regions
+`m2po_masked_frac`, ...) and, in records since it exists, the learner's reward per push. An arm is
+a method (with its trust region's threshold) at a learning rate and a lag, over its seeds; a family
+is a method at a rate, over its lags.
 
 - `table`: per arm, the reward at checkpoints (the mean over the CHECKPOINT_WINDOW steps ending at
   each fifth of the run: seed mean, seed range in brackets), the share of its family's fresh (lag
   0) late reward it keeps, the drift range over the last DRIFT_WINDOW steps, the largest gradient
   norm, the largest SFC age, and for PPO the clip fraction, TIS weight and TIS clip fraction over
   the last DRIFT_WINDOW steps (the described run's closing table, plus what says how stale the
-  tokens were and how much the corrections cut).
+  tokens were and how much the corrections cut); then, where recorded, the learner's late reward
+  (`late_learner_reward`) and its share of the family's fresh one, and the trust region's masked
+  fraction over the last DRIFT_WINDOW steps.
 - `plot_reward`: reward against step, a panel per family, a line per lag (seed mean of the
   SMOOTHING-step moving mean, the seed range as a band).
-- `plot_staleness`: late reward (the last CHECKPOINT_WINDOW steps) and drift (the mean |drift| of
-  the last DRIFT_WINDOW steps) against the lag, a line per family, seed range as error bars.
+- `plot_staleness`: late reward (the last CHECKPOINT_WINDOW steps), the learner's late reward
+  (where recorded) and drift (the mean |drift| of the last DRIFT_WINDOW steps) against the lag, a
+  line per family, seed range as error bars.
 """
 
 import statistics
 from pathlib import Path
 
-LABELS = {"reinforce": "REINFORCE", "sfc": "SFC + KL", "ppo_tis": "PPO + TIS", "ppo": "PPO", "icepop": "PPO + icepop"}
-COLOURS = {"reinforce": "tab:red", "sfc": "tab:blue", "ppo_tis": "tab:green", "ppo": "tab:olive", "icepop": "tab:purple"}
+LABELS = {"reinforce": "REINFORCE", "sfc": "SFC + KL", "ppo_tis": "PPO + TIS", "ppo": "PPO", "icepop": "PPO + icepop",
+          "m2po": "M2PO", "sfc_m2": "SFC + KL + M2", "areal_m2": "PPO + AReaL M2"}  # fmt: skip
+COLOURS = {"reinforce": "tab:red", "sfc": "tab:blue", "ppo_tis": "tab:green", "ppo": "tab:olive", "icepop": "tab:purple",
+           "m2po": "tab:orange", "sfc_m2": "tab:cyan", "areal_m2": "tab:brown"}  # fmt: skip
 LINESTYLES = ("-", "--", ":")  # a method's families by rate, in increasing order
 CHECKPOINTS = 5  # reward read at each fifth of the run
 CHECKPOINT_WINDOW = 64  # steps averaged for a checkpoint's reward (the pilot's 64-step means)
@@ -31,13 +38,24 @@ SMOOTHING = 16  # steps of the reward chart's moving mean: one rollout of the de
 REWARD_CHART, STALENESS_CHART, TABLE = "reward_by_step.png", "reward_and_drift_by_lag.png", "table.md"
 
 
+def method_of(config) -> tuple:
+    """(method, its trust region's threshold or None): what an arm's runs share besides rate and lag."""
+    return config["method"], config.get("m2po_tau")
+
+
+def method_label(method: tuple) -> str:
+    name, tau = method
+    return LABELS[name] if tau is None else f"{LABELS[name]} tau {tau:g}"
+
+
 def arms(runs) -> dict:
-    """{(method, lr, lag): [runs, by seed]}, by method (as LABELS orders them), rate, then lag."""
+    """{(method, lr, lag): [runs, by seed]}, method as `method_of` gives it, by method (as LABELS
+    orders them, then threshold), rate, then lag."""
     grouped = {}
     for run in runs:
         config = run["config"]
-        grouped.setdefault((config["method"], config["lr"], config["lag"]), []).append(run)
-    order = sorted(grouped, key=lambda arm: (list(LABELS).index(arm[0]), *arm[1:]))
+        grouped.setdefault((method_of(config), config["lr"], config["lag"]), []).append(run)
+    order = sorted(grouped, key=lambda arm: (list(LABELS).index(arm[0][0]), arm[0][1] or 0, *arm[1:]))
     return {arm: sorted(grouped[arm], key=lambda run: run["config"]["seed"]) for arm in order}
 
 
@@ -49,10 +67,10 @@ def families(runs) -> dict:
     return grouped
 
 
-def label(runs, method: str, lr: float) -> str:
+def label(runs, method: tuple, lr: float) -> str:
     """The family's name: the method's, with its rate where the method runs at more than one."""
-    rates = {run["config"]["lr"] for run in runs if run["config"]["method"] == method}
-    return LABELS[method] if len(rates) == 1 else f"{LABELS[method]} at {lr:g}"
+    rates = {run["config"]["lr"] for run in runs if method_of(run["config"]) == method}
+    return method_label(method) if len(rates) == 1 else f"{method_label(method)} at {lr:g}"
 
 
 def steps_of(runs) -> int:
@@ -105,11 +123,22 @@ def _late_mean(seeds, key: str) -> str:
     return f"{statistics.fmean(values):.3g}" if values else "-"
 
 
-def fresh_share(seeds, fresh) -> str:
-    """The arm's late reward as a share of its family's at lag 0 (seed means; "" for lag 0 itself)."""
-    if fresh is None or fresh is seeds:
+def fresh_share(seeds, fresh, measure=None) -> str:
+    """The arm's late reward (`measure`, default `late_reward`) as a share of its family's at lag 0
+    (seed means; "" for lag 0 itself or where either has no record of it)."""
+    measure = measure or late_reward
+    if fresh is None or fresh is seeds or not all(map(_has_learner, seeds + fresh)) and measure is late_learner_reward:
         return ""
-    return f"{statistics.fmean(map(late_reward, seeds)) / statistics.fmean(map(late_reward, fresh)):.0%}"
+    return f"{statistics.fmean(map(measure, seeds)) / statistics.fmean(map(measure, fresh)):.0%}"
+
+
+def _has_learner(run) -> bool:
+    return bool(run.get("learner_reward"))
+
+
+def _learner_cell(seeds) -> str:
+    """The learner's late reward (seed mean and range), "-" where a run has none."""
+    return _mean_and_range([late_learner_reward(run) for run in seeds]) if all(map(_has_learner, seeds)) else "-"
 
 
 def table(runs) -> str:
@@ -119,7 +148,9 @@ def table(runs) -> str:
     late = min(DRIFT_WINDOW, steps)
     header = ["run", "lr", "seeds", *(f"reward, steps {end - window + 1}-{end}" for end in ends), "share of fresh",
               f"drift, last {late} steps", "max grad norm", "max SFC age",
-              f"clip fraction, last {late}", f"TIS weight, last {late}", f"TIS clip fraction, last {late}"]  # fmt: skip
+              f"clip fraction, last {late}", f"TIS weight, last {late}", f"TIS clip fraction, last {late}",
+              f"learner's reward, last {window} steps", "learner's share of fresh",
+              f"trust region masked fraction, last {late}"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (method, lr), lags in families(runs).items():
         for lag, seeds in lags.items():
@@ -132,6 +163,8 @@ def table(runs) -> str:
             ages = [age for run in seeds for age in run["series"]["max_age"] if age is not None]
             cells.append(str(max(ages)) if ages else "-")
             cells += [_late_mean(seeds, key) for key in ("pg_clipfrac", "tis", "tis_clipfrac")]
+            cells += [_learner_cell(seeds), fresh_share(seeds, lags.get(0), late_learner_reward)]
+            cells.append(_late_mean(seeds, "m2po_masked_frac"))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -140,7 +173,7 @@ def describe(runs) -> str:
     """The configuration the runs share, for the charts (two lines)."""
     config = runs[0]["config"]
     rates = "; ".join(
-        f"{LABELS[method]} {', '.join(f'{lr:g}' for m, lr in families(runs) if m == method)}"
+        f"{method_label(method)} {', '.join(f'{lr:g}' for m, lr in families(runs) if m == method)}"
         for method in dict.fromkeys(m for m, _ in families(runs))
     )
     counts = sorted({len(seeds) for seeds in arms(runs).values()})
@@ -190,7 +223,12 @@ def plot_reward(runs, path: Path) -> None:
             ax.plot([statistics.fmean(v) for v in per_step], color=shades[lag], label=f"lag {lag}")
             ax.fill_between(range(len(per_step)), [min(v) for v in per_step], [max(v) for v in per_step],
                             color=shades[lag], alpha=0.2, linewidth=0)  # fmt: skip
-        ax.set(title=f"{LABELS[method]}, lr {lr:g}", xlabel="optimizer step", ylim=(0, 1))
+            if all(map(_has_learner, seeds)):  # the learner's reward at each push, after the rollout's steps
+                per_push = [statistics.fmean(v) for v in zip(*(run["learner_reward"] for run in seeds))]
+                spr = seeds[0]["config"]["steps_per_rollout"]
+                ax.plot([spr * push for push in range(len(per_push))], per_push, color=shades[lag], linestyle=":",
+                        label=f"lag {lag}, learner")  # fmt: skip
+        ax.set(title=f"{method_label(method)}, lr {lr:g}", xlabel="optimizer step", ylim=(0, 1))
         ax.legend(fontsize=8, loc="upper left")
     for ax in list(axes.flat)[len(grouped) :]:
         ax.set_visible(False)
@@ -203,22 +241,32 @@ def plot_reward(runs, path: Path) -> None:
 def plot_staleness(runs, path: Path) -> None:
     """Late reward and late drift against the lag, a line per family, the seed range as error bars."""
     plt = _pyplot()
-    fig, (reward_ax, drift_ax) = plt.subplots(1, 2, figsize=(12, 4.6))
+    with_learner = any(map(_has_learner, runs))  # its panel only where some run recorded it
+    fig, axes = plt.subplots(1, 3 if with_learner else 2, figsize=(18 if with_learner else 12, 4.6))
+    reward_ax, drift_ax, learner_ax = axes[0], axes[-1], axes[1] if with_learner else None
+    panels = [(reward_ax, late_reward), (drift_ax, late_drift)] + ([(learner_ax, late_learner_reward)] if with_learner else [])
     rates = {}
     for (method, lr), by_lag in families(runs).items():
         rates.setdefault(method, []).append(lr)
         style = LINESTYLES[min(len(rates[method]) - 1, len(LINESTYLES) - 1)]
-        lags = list(by_lag)
-        for ax, measure in ((reward_ax, late_reward), (drift_ax, late_drift)):
-            values = [[measure(run) for run in seeds] for seeds in by_lag.values()]
+        for ax, measure in panels:
+            recorded = {lag: seeds for lag, seeds in by_lag.items() if measure is not late_learner_reward or all(map(_has_learner, seeds))}
+            if not recorded:
+                continue
+            lags = list(recorded)
+            values = [[measure(run) for run in seeds] for seeds in recorded.values()]
             means = [statistics.fmean(v) for v in values]
             errors = [[m - min(v) for m, v in zip(means, values)], [max(v) - m for m, v in zip(means, values)]]
-            ax.errorbar(lags, means, yerr=errors, color=COLOURS[method], linestyle=style, marker="o", capsize=4,
+            ax.errorbar(lags, means, yerr=errors, color=COLOURS[method[0]], linestyle=style, marker="o", capsize=4,
                         label=label(runs, method, lr))  # fmt: skip
     every_lag = sorted({lag for (_, _, lag) in arms(runs)})
     steps = steps_of(runs)
     reward_ax.set(xlabel="lag (weight pushes behind the trainer)", ylim=(0, 1), xticks=every_lag,
-                  ylabel=f"reward over the last {min(CHECKPOINT_WINDOW, steps)} steps", title="late reward")  # fmt: skip
+                  ylabel=f"reward over the last {min(CHECKPOINT_WINDOW, steps)} steps",
+                  title="late reward (the sampler's)" if with_learner else "late reward")  # fmt: skip
+    if with_learner:
+        learner_ax.set(xlabel="lag (weight pushes behind the trainer)", ylim=(0, 1), xticks=every_lag,
+                       ylabel="learner's reward at the last pushes", title="the learner's late reward (where recorded)")  # fmt: skip
     drift_ax.set(xlabel="lag (weight pushes behind the trainer)", yscale="log", title="drift from the sampler",
                  xticks=every_lag, ylabel=f"mean |sampler - trainer log-prob| over the last {min(DRIFT_WINDOW, steps)} steps")  # fmt: skip
     reward_ax.legend(fontsize=8)

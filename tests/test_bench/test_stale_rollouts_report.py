@@ -90,7 +90,8 @@ def test_table_has_a_row_per_arm_and_a_column_per_checkpoint(records):
     assert sfc_stale[9] == "-0.004 to 0.004"  # drift over the last 64 steps
     assert sfc_stale[10] == "6"  # the largest gradient norm: 1 + seed 1 + lag 4
     assert sfc_stale[11] == "9"  # the largest SFC age: 2 * lag + 1
-    assert sfc_stale[12:] == ["-", "-", "-"]  # no PPO metrics
+    assert sfc_stale[12:15] == ["-", "-", "-"]  # no PPO metrics
+    assert sfc_stale[15:] == ["-", "", "-"]  # no learner's reward recorded, no trust region
     assert rows[0].split(" | ")[8] == ""  # the fresh arm is its own reference
     assert rows[0].split(" | ")[11] == "-"  # REINFORCE has no ages
 
@@ -104,8 +105,29 @@ def test_table_gives_ppo_clip_and_tis_over_the_last_steps_and_the_share_of_fresh
     rows = rows_by_name(report.table(runs))
     stale = rows["PPO + TIS, lag 4"]
     assert stale[8] == "75%"  # 0.6 of 0.8
-    assert stale[12:] == ["0.14", "1.2", "0.04"]  # clip fraction, TIS weight (1.4 and 1 alternately), TIS clip fraction
+    assert stale[12:15] == ["0.14", "1.2", "0.04"]  # clip fraction, TIS weight (1.4 and 1 alternately), TIS clip fraction
     assert rows["PPO + TIS, lag 16"][8] == "25%"
+
+
+def test_trust_region_arms_are_families_by_threshold_with_the_learners_reward(tmp_path):
+    """M2PO at two thresholds is two families; the learner's late reward (the mean over the pushes
+    ending the last 64 steps: 32 pushes here, one per 2-step rollout) and its share of fresh, and
+    the masked fraction over the last 64 steps, come from the records; the report draws both rewards."""
+    runs = []
+    for tau in (0.04, 0.16):
+        for lag in (0, 16):
+            config = stale_rollouts.loop.LoopConfig("m2po", lr=1e-3, lag=lag, rollouts=STEPS // 2, steps_per_rollout=2, m2po_tau=tau)
+            learner = [0.1] * (STEPS // 2 - 31) + [0.8 if lag == 0 else 0.6] * 32  # the first push, then one per rollout
+            steps = [{**step, "m2po_masked_frac": tau} for step in observations(config)["steps"]]
+            pushes = [{"pushed": v + 1, "reward": r} for v, r in enumerate(learner)]
+            runs.append(compact({**observations(config), "steps": steps, "learner_rewards": pushes}))
+    assert report.late_learner_reward(runs[1]) == pytest.approx(0.6)
+    rows = rows_by_name(report.table(runs))
+    assert list(rows) == ["M2PO tau 0.04, lag 0", "M2PO tau 0.04, lag 16", "M2PO tau 0.16, lag 0", "M2PO tau 0.16, lag 16"]
+    assert rows["M2PO tau 0.16, lag 16"][15:] == ["0.600", "75%", "0.16"]
+    assert rows["M2PO tau 0.16, lag 0"][15:] == ["0.800", "", "0.16"]
+    report.write(runs, tmp_path)
+    assert (tmp_path / report.STALENESS_CHART).read_bytes()[:8] == PNG_SIGNATURE
 
 
 def test_a_method_at_two_rates_is_two_families(records):
