@@ -69,6 +69,7 @@ class Setup(NamedTuple):
     steps: tuple = FIXED_STEPS  # without dynamic batch size
     unwrapped_from: Optional[int] = None  # the micro-batch from which the loss runs outside slime's wrapper
     estimator: str = "grpo"  # --advantage-estimator; gspo's sequence-level ratio takes the recompute path
+    m2po_tau: Optional[float] = None  # --fusedrl-m2po-tau: M2PO's trust region, which takes the recompute path too
 
     @property
     def per_token(self) -> bool:
@@ -267,8 +268,9 @@ def _loss_args(setup: Setup):
     regularisers = dict(entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1) if setup.regularised else {}
     divisor = {} if setup.divisor is None else dict(loss_aggregation_divisor=setup.divisor)
     return slime_args(
-        eps_clip_c=3.0, loss_aggregation=setup.aggregation, calculate_per_token_loss=setup.per_token,
-        recompute_loss_function=setup.recompute, advantage_estimator=setup.estimator, **regularisers, **divisor,
+        eps_clip_c=None if setup.m2po_tau else 3.0, loss_aggregation=setup.aggregation,  # M2PO has no clip to bound
+        calculate_per_token_loss=setup.per_token, recompute_loss_function=setup.recompute,
+        advantage_estimator=setup.estimator, fusedrl_m2po_tau=setup.m2po_tau, **regularisers, **divisor,
     )  # fmt: skip
 
 

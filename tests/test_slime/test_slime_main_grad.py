@@ -54,6 +54,9 @@ CASES = {
     ),
     "recompute_path-bf16-fp32_main_grad": Setup(estimator="gspo", dtype="bf16", overlap=True),
     "recompute_path-fp16-fp32_main_grad": Setup(estimator="gspo", **FP16),
+    # M2PO's trust region needs the whole micro-batch first too: the recompute path, in bf16 and fp16
+    "m2po-bf16-fp32_main_grad": Setup(m2po_tau=2.0, dtype="bf16", overlap=True),
+    "m2po-fp16-fp32_main_grad": Setup(m2po_tau=2.0, **FP16),
     **{
         f"distributed_optimizer-{'overlap' if overlap else 'no_overlap'}-{'tied' if tied else 'untied'}": Setup(
             distributed_optimizer=True, overlap=overlap, tied=tied
@@ -77,7 +80,7 @@ def test_main_grad_equals_the_unfused_path(name):
     setup = CASES[name]
     rank_results = get_pool(1, 1, dp=2).run(step_results, setup)
     assert_fused_matches_unfused(rank_results, TOLERANCES[setup.dtype])
-    recompute_path = setup.estimator == "gspo"
+    recompute_path = setup.estimator == "gspo" or setup.m2po_tau is not None
     in_forward = setup.main_grad_fp32 and not setup.recompute and not recompute_path
     param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[setup.dtype]
     for results in rank_results:
