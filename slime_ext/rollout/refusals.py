@@ -79,7 +79,9 @@ def log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_t
     """slime's --custom-rollout-log-function-path: slime's own logging of the rollout (the user's
     log function included, as slime runs it), with the rollout's refusal counts among its extra
     metrics; then ValueError once the refused fraction exceeds --sfc-max-refused-frac."""
-    from slime.observability.rollout_metrics import log_rollout_data as slime_log_rollout_data
+    # slime's own rollout logging, as the rollout manager that called this hook imports it (slime
+    # 624b824 defines it in slime/observability/rollout_metrics.py)
+    from slime.ray.rollout import log_rollout_data as slime_log_rollout_data
 
     accepted, refused, first = TALLY.take()
     metrics = refusal_metrics(accepted, refused)
