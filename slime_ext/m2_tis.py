@@ -9,7 +9,7 @@ log-probs or the advantages (slime's open PRs #2084 and #1912 ask for them), so 
 loss) cannot be written for slime's loss. AReaL's (areal/trainer/ppo/actor.py, `m2_threshold`)
 can: per token M2 = (log pi_old - log pi_behav)^2 over every loss-masked token of the micro-batch,
 no quadrant restriction, the largest masked until the mean of the rest is at most tau
-(`trust_region.second_moment_mask`, across the cp ranks); the kept tokens' pg_loss is weighted by
+(`m2po.micro_batch_region`, across the cp ranks); the kept tokens' pg_loss is weighted by
 the behaviour importance ratio pi_old / pi_behav clamped to [--tis-clip-low, --tis-clip] (slime's
 vanilla TIS, AReaL's decoupled loss), the masked ones drop out of the returned loss masks (slime
 then leaves them out of every numerator, the denominators unchanged).
@@ -23,11 +23,8 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from . import megatron
-from .context_parallel import chunked_loss_masks
 from .flags.m2po import TIS_FLAG, tis_tau
-from .m2po import global_positions
-from .trust_region import second_moment_mask
+from .m2po import loss_masked, micro_batch_region
 
 
 def m2_trust_region_tis(
@@ -38,27 +35,20 @@ def m2_trust_region_tis(
     threshold = tis_tau(args)
     if threshold is None:
         raise ValueError(f"--custom-tis-function-path {__name__}.m2_trust_region_tis needs {TIS_FLAG} (its tau)")
-    cp_rank, cp_size = megatron.cp_rank_and_size()
     device = pg_loss.device
     log_ratio = (torch.cat(train_log_probs).double() - torch.cat(rollout_log_probs).double()).to(device)
-    local_masks = chunked_loss_masks(total_lengths, response_lengths, loss_masks, cp_rank, cp_size)
-    in_set = torch.cat(local_masks).to(device) > 0 if local_masks else torch.zeros(0, dtype=torch.bool, device=device)
-    positions = global_positions(total_lengths, response_lengths, cp_rank, cp_size, device)
-    group = megatron.cp_group() if cp_size > 1 else None
-    region = second_moment_mask(log_ratio**2, in_set, threshold, positions=positions, num_positions=sum(response_lengths), group=group)
+    in_set = loss_masked(total_lengths, response_lengths, loss_masks, device)
+    region = micro_batch_region(log_ratio**2, in_set, threshold, total_lengths, response_lengths, pg_loss.dtype)
     ratio = torch.exp(log_ratio)
     weights = ratio.clamp(min=args.tis_clip_low, max=args.tis_clip)
     kept = region.keep.to(pg_loss.dtype)
-    ones = torch.ones_like(kept)
     metrics = {
         "tis": ratio.to(pg_loss.dtype),
         "tis_clipfrac": (weights != ratio).to(pg_loss.dtype),
         "tis_abs": (ratio - 1).abs().to(pg_loss.dtype),
-        "m2po_masked_frac": 1 - kept,
-        "m2po_m2_before": ones * region.before.to(ones.dtype),
-        "m2po_m2_after": ones * region.after.to(ones.dtype),
+        **region.metrics,
     }
-    masks = _without_masked(loss_masks, region.keep, positions, response_lengths, group)
+    masks = _without_masked(loss_masks, region.keep, region.positions, response_lengths, region.group)
     return pg_loss * weights.to(pg_loss.dtype) * kept, masks, metrics
 
 

@@ -47,8 +47,45 @@ def global_positions(total_lengths, response_lengths, cp_rank: int, cp_size: int
     return (torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)).to(device)
 
 
+class MicroBatchRegion(NamedTuple):
+    """The trust region over a micro-batch on this rank: which of its tokens it keeps ([N] bool),
+    the per-token metrics, and where its tokens sit (`global_positions`) in the cp group
+    (None at cp = 1) the selection spans."""
+
+    keep: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+    positions: torch.Tensor
+    group: Optional[object]
+
+
+def micro_batch_region(
+    m2: torch.Tensor, in_set: torch.Tensor, threshold: float, total_lengths, response_lengths, dtype=torch.float32
+) -> MicroBatchRegion:
+    """The second-moment selection at `threshold` over the whole micro-batch (across the cp ranks),
+    from this rank's tokens' M2 and membership (slime's CP layout), with M2PO's metrics in `dtype`:
+    `m2po_masked_frac`, `m2po_m2_before`, `m2po_m2_after` (the set's mean M2 on every token)."""
+    cp_rank, cp_size = megatron.cp_rank_and_size()
+    positions = global_positions(total_lengths, response_lengths, cp_rank, cp_size, m2.device)
+    group = megatron.cp_group() if cp_size > 1 else None
+    region = second_moment_mask(m2, in_set, threshold, positions=positions, num_positions=sum(response_lengths), group=group)
+    ones = torch.ones_like(m2, dtype=dtype)
+    metrics = {
+        "m2po_masked_frac": 1 - region.keep.to(ones.dtype),
+        "m2po_m2_before": ones * region.before.to(ones.dtype),
+        "m2po_m2_after": ones * region.after.to(ones.dtype),
+    }
+    return MicroBatchRegion(region.keep, metrics, positions, group)
+
+
+def loss_masked(total_lengths, response_lengths, loss_masks, device) -> torch.Tensor:
+    """[N] bool: this rank's response tokens the loss masks keep (slime's CP layout)."""
+    cp_rank, cp_size = megatron.cp_rank_and_size()
+    masks = chunked_loss_masks(total_lengths, response_lengths, loss_masks, cp_rank, cp_size)
+    return torch.cat(masks).to(device) > 0 if masks else torch.zeros(0, dtype=torch.bool, device=device)
+
+
 class SecondMomentRegion(NamedTuple):
-    """The trust region over a micro-batch: which tokens it keeps ([N] bool), the log-ratio to
+    """M2PO's trust region over a micro-batch: which tokens it keeps ([N] bool), the log-ratio to
     the sampler (current - rollout log-prob, with the current log-probs' gradient) and the
     per-token metrics."""
 
@@ -59,34 +96,22 @@ class SecondMomentRegion(NamedTuple):
 
 def second_moment_region(batch, log_probs: torch.Tensor, advantages: torch.Tensor, threshold: float, flag: str) -> SecondMomentRegion:
     """M2PO's trust region at `threshold` over the micro-batch, from the rank's concatenated
-    current log-probs of the sampled tokens and their advantages (slime's CP layout); `flag`
-    names the setting in the error when the batch has no rollout log-probs."""
+    current log-probs of the sampled tokens and their advantages (slime's CP layout): the set is
+    the loss-masked tokens a PPO clip would act on; `flag` names the setting in the error when the
+    batch has no rollout log-probs."""
     rollout_log_probs = batch.get("rollout_log_probs")
     if not rollout_log_probs:
         raise ValueError(
             f"{flag} needs the rollout log-probs (rollout_log_probs: each token's log-prob under the policy that "
             "sampled it, which slime's rollout records on Sample.rollout_log_probs) in the batch; it has none"
         )
-    cp_rank, cp_size = megatron.cp_rank_and_size()
-    device = log_probs.device
-    masks = chunked_loss_masks(batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], cp_rank, cp_size)
-    loss_mask = torch.cat(masks).to(device) > 0 if masks else torch.zeros(0, dtype=torch.bool, device=device)
-    log_ratio = log_probs.float() - torch.cat(rollout_log_probs).to(device).float()
+    lengths = batch["total_lengths"], batch["response_lengths"]
+    log_ratio = log_probs.float() - torch.cat(rollout_log_probs).to(log_probs.device).float()
     ahead = log_ratio.detach()
-    in_set = loss_mask & (((advantages > 0) & (ahead > 0)) | ((advantages < 0) & (ahead < 0)))
-    region = second_moment_mask(
-        ahead.double() ** 2, in_set, threshold,
-        positions=global_positions(batch["total_lengths"], batch["response_lengths"], cp_rank, cp_size, device),
-        num_positions=sum(batch["response_lengths"]),
-        group=megatron.cp_group() if cp_size > 1 else None,
-    )  # fmt: skip
-    ones = torch.ones_like(ahead)
-    metrics = {
-        "m2po_masked_frac": 1 - region.keep.to(ones.dtype),
-        "m2po_m2_before": ones * region.before.to(ones.dtype),
-        "m2po_m2_after": ones * region.after.to(ones.dtype),
-    }
-    return SecondMomentRegion(region.keep, log_ratio, metrics)
+    in_set = loss_masked(*lengths, batch["loss_masks"], log_probs.device)
+    in_set &= ((advantages > 0) & (ahead > 0)) | ((advantages < 0) & (ahead < 0))
+    region = micro_batch_region(ahead.double() ** 2, in_set, threshold, *lengths)
+    return SecondMomentRegion(region.keep, log_ratio, region.metrics)
 
 
 def m2po_terms(args, batch, log_probs: torch.Tensor, advantages: torch.Tensor) -> Optional[M2POTerms]:
