@@ -88,6 +88,7 @@ class LoopConfig:
     kl_beta: float = 0.3  # beta0
     max_tokens_per_step: int = 2048
     m2po_tau: Optional[float] = None  # the trust region's threshold: TRUST_REGION_METHODS' alone
+    learner_reward: bool = False  # the learner's reward at every push (`record_learner_reward`)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -401,14 +402,10 @@ def start_engine(files: Files, workdir: Path, seed: int = sglang_server.SEED, cp
     return sglang_server.Server(files.model, stub, workdir / "server.log", env=env, extra_args=extra, launcher=launcher)
 
 
-def run(
-    config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_dir: Optional[Path] = None,
-    with_learner_reward: bool = True,
-) -> dict:  # fmt: skip
+def run(config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_dir: Optional[Path] = None) -> dict:
     """Run slime's train.py on the task with `config` in `workdir`; the observations. `engine`:
     (host, port) of a running server on the model in `task_dir` (`task_files`), else one is
-    started for the run and stopped after it; `task_dir` defaults to `workdir`;
-    `with_learner_reward`: the learner's reward at every push (`record_learner_reward`)."""
+    started for the run and stopped after it; `task_dir` defaults to `workdir`."""
     workdir.mkdir(parents=True, exist_ok=True)
     files = task_files(task_dir or workdir, workdir, config.seed)
     server = None if engine is not None else start_engine(files, workdir, config.seed)
@@ -426,7 +423,7 @@ def run(
         observations = Observations(config)
         observations.install()
         serve_lagged(config.lag, observations.pushes)
-        if with_learner_reward:
+        if config.learner_reward:
             record_learner_reward(config, files, observations.learner_rewards)
         # slime's clear_memory() runs gc.collect() a few times per rollout; the start-up's objects
         # (SGLang's, megatron-core's and slime's modules) would make each take most of a second.
@@ -454,7 +451,7 @@ def loop_environment(**overrides) -> dict:
 
 def run_in_subprocess(
     config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_dir: Optional[Path] = None,
-    timeout: Optional[float] = None, cpu: Optional[int] = None, with_learner_reward: bool = True, **env,
+    timeout: Optional[float] = None, cpu: Optional[int] = None, **env,
 ) -> dict:  # fmt: skip
     """`run` in a fresh process (its output in workdir/loop.log), on core `cpu` alone when given
     (`pinned`; a server it starts inherits the core); its observations. `env`: changes to the
@@ -467,8 +464,6 @@ def run_in_subprocess(
         command += ["--engine", f"{engine[0]}:{engine[1]}"]
     if task_dir is not None:
         command += ["--task-dir", str(task_dir)]
-    if not with_learner_reward:
-        command += ["--no-learner-reward"]
     with open(log_path, "wb") as log:
         environment = loop_environment(**pinned_env(cpu), **env)
         completed = subprocess.run(command, env=environment, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
@@ -484,15 +479,13 @@ def main(argv=None) -> None:
     parser.add_argument("out", type=Path, help="where the observations go (JSON)")
     parser.add_argument("--engine", help="HOST:PORT of a running SGLang server on the model in --task-dir")
     parser.add_argument("--task-dir", type=Path, help="where the task's model and prompts are (default: OUT's folder)")
-    parser.add_argument("--no-learner-reward", dest="learner_reward", action="store_false",
-                        help="leave out the learner's reward at every push")  # fmt: skip
     options = parser.parse_args(argv)
     config = LoopConfig(**json.loads(options.config.read_text()))
     engine = None
     if options.engine:
         host, port = options.engine.rsplit(":", 1)
         engine = (host, int(port))
-    result = run(config, options.out.parent, engine, options.task_dir, options.learner_reward)
+    result = run(config, options.out.parent, engine, options.task_dir)
     options.out.write_text(json.dumps(result))
 
 

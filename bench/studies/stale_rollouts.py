@@ -30,7 +30,8 @@ factors of 4 while the learner's reward (bench/slime_loop/learner_reward.py, ove
 pushes) still rises at the grid's top (at most MAX_WIDENINGS times); then, at the chosen
 threshold, seed by seed, M2PO at lags M2PO_LAGS, and at lag TRUST_REGION_LAG SFC + KL with the same
 trust region (`--sfc-m2-tau`) and AReaL's variant through slime's own PPO loss + TIS
-(slime_ext/m2_tis.py).
+(slime_ext/m2_tis.py), and the methods without a trust region (COMPARISON_ARMS), all at
+TRUST_REGION_LR and all with the learner's reward at every push.
 
 `--workers N` runs N runs at once, each pinned to a core of its own with its own SGLang server and
 one compute thread (bench/slime_loop/loop.py's `pinned`); docs/results.md gives runs per hour
@@ -83,6 +84,9 @@ RATE_OF = {"ppo": "ppo_tis", "icepop": "ppo_tis"}
 TAU_GRID = (0.04, 0.16, 0.64)
 TRUST_REGION_LAG, TRUST_REGION_LR = 16, 1e-3
 M2PO_LAGS = (0, 8, 16)
+# what the trust regions are measured against, with the learner's reward too: slime's PPO + TIS
+# fresh and as stale, and SFC + KL as stale (TRUST_REGION_LR is the lag-0 grid's best for both)
+COMPARISON_ARMS = (("ppo_tis", 0), ("ppo_tis", TRUST_REGION_LAG), ("sfc", TRUST_REGION_LAG))
 LR_GRID = (3e-4, 1e-3, 3e-3)  # brackets the pilot's REINFORCE at 1e-3 (0.35 after 320 steps; 3e-3 stalled)
 LAGS = (0, 4, 8)
 
@@ -126,7 +130,7 @@ def chosen_tau(options, run, widened=None) -> float:
     """M2PO's threshold: the grid's (TAU_GRID) best by the learner's late reward at lag
     TRUST_REGION_LAG, seed 0, the grid extended by a factor of 4 while its largest is the best;
     `run` gives the records of configs, `widened` (if given) hears of each config an extension adds."""
-    base = replace(base_config(options), method="m2po", lr=TRUST_REGION_LR, lag=TRUST_REGION_LAG, seed=0, m2po_tau=TAU_GRID[0])
+    base = replace(trust_region_base(options), lag=TRUST_REGION_LAG, seed=0, m2po_tau=TAU_GRID[0])
     taus = list(TAU_GRID)
     while True:
         records = run([replace(base, m2po_tau=tau) for tau in taus])
@@ -139,14 +143,21 @@ def chosen_tau(options, run, widened=None) -> float:
             widened(replace(base, m2po_tau=taus[-1]))
 
 
+def trust_region_base(options) -> loop.LoopConfig:
+    """The trust-region study's geometry, rate and learner's reward, M2PO at the first threshold."""
+    return replace(base_config(options), method="m2po", lr=TRUST_REGION_LR, m2po_tau=TAU_GRID[0], learner_reward=True)
+
+
 def trust_region_configs(options, tau: float) -> list:
-    """The trust-region study's arms at the threshold `tau`, seed by seed: M2PO lag by lag, then
-    at lag TRUST_REGION_LAG SFC + KL with the trust region and AReaL's variant through slime's loss."""
-    base = replace(base_config(options), method="m2po", lr=TRUST_REGION_LR, m2po_tau=tau)
+    """The trust-region study's arms at the threshold `tau`, seed by seed: M2PO lag by lag, at lag
+    TRUST_REGION_LAG SFC + KL with the trust region and AReaL's variant through slime's loss, then
+    the COMPARISON_ARMS."""
+    base = replace(trust_region_base(options), m2po_tau=tau)
     return [
         config for seed in range(options.seeds) for config in
         [replace(base, method="m2po", lag=lag, seed=seed) for lag in M2PO_LAGS]
         + [replace(base, method=method, lag=TRUST_REGION_LAG, seed=seed) for method in ("sfc_m2", "areal_m2")]
+        + [replace(base, method=method, lag=lag, seed=seed, m2po_tau=None) for method, lag in COMPARISON_ARMS]
     ]  # fmt: skip
 
 
@@ -255,7 +266,7 @@ def parse(argv=None):
     parser.add_argument("--commit", action="store_true", help="git-commit each run's record as it finishes")
     parser.add_argument("--trust-region", action="store_true",
                         help=f"the trust-region study: M2PO's threshold grid {list(TAU_GRID)} at lag {TRUST_REGION_LAG}, "
-                        f"then M2PO at lags {list(M2PO_LAGS)}")  # fmt: skip
+                        f"then M2PO at lags {list(M2PO_LAGS)}, its SFC and AReaL arms and {list(COMPARISON_ARMS)}")  # fmt: skip
     parser.add_argument("--report", action="store_true", help="only write the table and charts from the recorded runs")
     parser.add_argument("--partial", action="store_true",
                         help="with --report: report the main runs recorded so far (the grid must be complete), naming the missing")
@@ -349,10 +360,7 @@ def run_trust_region(options, store: RunStore, study: Study) -> None:
     """The trust-region study: the threshold grid, then M2PO's arms at the chosen threshold."""
     from ..harness.progress import Progress
 
-    grid = [
-        replace(base_config(options), method="m2po", lr=TRUST_REGION_LR, lag=TRUST_REGION_LAG, seed=0, m2po_tau=tau)
-        for tau in TAU_GRID
-    ]
+    grid = [replace(trust_region_base(options), lag=TRUST_REGION_LAG, seed=0, m2po_tau=tau) for tau in TAU_GRID]
     progress = Progress([config.method for config in grid if store.saved(config) is None])
 
     def widened(config):

@@ -26,18 +26,21 @@ SERIES = ("reward", "drift", "grad_norm", "pg_loss")
 
 
 def run_name(config) -> str:
-    """The record's file stem: the method (with M2PO's threshold), learning rate, lag, seed and geometry."""
+    """The record's file stem: the method (with M2PO's threshold), learning rate, lag, seed and
+    geometry, and whether it holds the learner's reward."""
     method = config.method if config.m2po_tau is None else f"{config.method}-tau{config.m2po_tau:g}"
+    learner = "-learner" if config.learner_reward else ""
     return (
         f"{method}-lr{config.lr:g}-lag{config.lag}-seed{config.seed}-"
-        f"{config.steps_per_rollout}spr-{config.samples_per_step}sps-{config.steps}steps"
+        f"{config.steps_per_rollout}spr-{config.samples_per_step}sps-{config.steps}steps{learner}"
     )
 
 
 def recorded_config(record: dict) -> dict:
     """The record's configuration, a field `LoopConfig` gained after the record was written at its
-    default (what the run had)."""
+    default (what the run had), but `learner_reward` by whether the record holds it."""
     defaults = {field.name: field.default for field in fields(LoopConfig)}
+    defaults["learner_reward"] = "learner_reward" in record
     return {**{name: defaults[name] for name in defaults.keys() - record["config"].keys()}, **record["config"]}
 
 

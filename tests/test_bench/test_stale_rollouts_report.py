@@ -230,6 +230,31 @@ def test_a_record_of_another_configuration_is_refused(tmp_path):
         store.saved(config)
 
 
+
+@pytest.mark.parametrize("learner", [False, True])
+def test_a_record_from_before_the_learner_field_is_read_by_whether_it_holds_the_learners_reward(tmp_path, learner):
+    """A record written before LoopConfig had `learner_reward` reads back as the run it was: with
+    the learner's reward where it holds one (named so), without it elsewhere; the same arm with
+    and without it are two records."""
+    config = stale_rollouts.loop.LoopConfig("ppo_tis", rollouts=2, learner_reward=learner)
+    store = RunStore(tmp_path)
+    pushes = [{"pushed": 1, "reward": 0.5}, {"pushed": 2, "reward": 0.75}, {"pushed": 3, "reward": 1.0}]
+    store.save(config, {**observations(config), "learner_rewards": pushes if learner else []})
+    record = json.loads(store.path(config).read_text())
+    del record["config"]["learner_reward"]
+    store.path(config).write_text(json.dumps(record))
+    assert store.saved(config) == record
+    assert store.path(config).stem.endswith("-learner") == learner
+    assert store.saved(stale_rollouts.loop.LoopConfig("ppo_tis", rollouts=2, learner_reward=not learner)) is None
+
+
+def test_the_trust_region_arms_and_their_comparisons_all_hold_the_learners_reward_at_one_rate():
+    configs = stale_rollouts.trust_region_configs(options("--trust-region"), 2.56)
+    assert all(config.learner_reward and config.lr == stale_rollouts.TRUST_REGION_LR for config in configs)
+    arms = {(config.method, config.lag, config.m2po_tau) for config in configs}
+    assert {(method, lag, None) for method, lag in stale_rollouts.COMPARISON_ARMS} < arms
+    assert len(configs) == SEEDS * len(arms)
+
 REPORT_GEOMETRY = ["--steps", str(STEPS), "--steps-per-rollout", "2", "--seeds", str(SEEDS), "--lags", *map(str, LAGS)]
 
 

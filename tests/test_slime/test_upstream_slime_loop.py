@@ -27,10 +27,10 @@ from bench.slime_loop import sglang_server  # noqa: E402
 
 LAG, STEPS_PER_ROLLOUT = 2, 2
 GEOMETRY = {"lag": LAG, "steps_per_rollout": STEPS_PER_ROLLOUT, "samples_per_step": 16, "samples_per_prompt": 8}
-SFC = slime_loop.LoopConfig("sfc", rollouts=4, **GEOMETRY)
-REINFORCE = slime_loop.LoopConfig("reinforce", rollouts=2, **GEOMETRY)
-PPO_TIS = slime_loop.LoopConfig("ppo_tis", rollouts=2, **GEOMETRY)  # slime's own PPO loss with TIS
-INTERPRETED = slime_loop.LoopConfig("sfc", rollouts=1, **GEOMETRY)
+SFC = slime_loop.LoopConfig("sfc", rollouts=4, learner_reward=True, **GEOMETRY)
+REINFORCE = slime_loop.LoopConfig("reinforce", rollouts=2, learner_reward=True, **GEOMETRY)
+PPO_TIS = slime_loop.LoopConfig("ppo_tis", rollouts=2, learner_reward=True, **GEOMETRY)  # slime's own PPO loss with TIS
+INTERPRETED = slime_loop.LoopConfig("sfc", rollouts=1, **GEOMETRY)  # without the learner's reward
 # Each optimizer step's SFC ages (issue 30): v1 pushed before step 0 and served for three
 # rollouts, v2 pushed after step 1 and served from rollout 3.
 AGES = [[0], [1], [2], [3], [4], [5], [4], [5]]
@@ -137,8 +137,9 @@ def test_slime_ppo_with_tis_reports_its_correction_and_the_drift_from_the_sample
 
 def test_the_learners_reward_is_recorded_at_every_push(runs):
     """The pushed weights' held-out answers at every push (bench/slime_loop/learner_reward.py),
-    the first before any step: a mean reward per push, in [0, 1]."""
-    for name, config in (("sfc", SFC), ("reinforce", REINFORCE), ("ppo_tis", PPO_TIS), ("interpreted", INTERPRETED)):
+    the first before any step: a mean reward per push, in [0, 1]; none where the run leaves it out."""
+    assert runs["interpreted"]["learner_rewards"] == []
+    for name, config in (("sfc", SFC), ("reinforce", REINFORCE), ("ppo_tis", PPO_TIS)):
         rewards = runs[name]["learner_rewards"]
         assert [push["pushed"] for push in rewards] == list(range(1, config.rollouts + 2)), name
         assert all(0.0 <= push["reward"] <= 1.0 for push in rewards), name
