@@ -68,6 +68,10 @@ PPO_CORRECTIONS = {
 # loss, SFC + KL with the same trust region, AReaL's variant through slime's own PPO loss + TIS.
 TRUST_REGION_METHODS = ("m2po", "sfc_m2", "areal_m2")
 METHODS = ("reinforce", "sfc", *PPO_CORRECTIONS, *TRUST_REGION_METHODS)
+# How the trainer's weights reach the engine: slime's full-checkpoint disk push (the study's), its
+# delta push (--update-weight-mode delta) or the full push with the train actors released after
+# every push and started anew (--release-train).
+WEIGHT_SYNCS = ("full", "delta", "release_train")
 HOST = sglang_server.HOST
 ENGINE_START_TIMEOUT_S = 1200.0  # SGLang's start-up has taken over 7 minutes on a busy 2-core machine
 
@@ -89,6 +93,7 @@ class LoopConfig:
     max_tokens_per_step: int = 2048
     m2po_tau: Optional[float] = None  # the trust region's threshold: TRUST_REGION_METHODS' alone
     learner_reward: bool = False  # the learner's reward at every push (`record_learner_reward`)
+    weight_sync: str = "full"  # one of WEIGHT_SYNCS
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -97,6 +102,14 @@ class LoopConfig:
             raise ValueError(f"m2po_tau goes with the methods {TRUST_REGION_METHODS} and no other, got {self.m2po_tau!r} for {self.method!r}")
         if self.lag < 0:
             raise ValueError(f"lag must be >= 0, got {self.lag}")
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {self.weight_sync!r}")
+        if self.weight_sync == "delta" and (self.lag or self.learner_reward):
+            raise ValueError(
+                f"the lag and the learner's reward hook slime's full-checkpoint reload, which delta pushes do not "
+                f"use: weight_sync 'delta' takes lag 0 and no learner's reward, got lag {self.lag}, "
+                f"learner_reward {self.learner_reward}"
+            )
         if self.samples_per_step % self.samples_per_prompt:
             raise ValueError(
                 f"samples_per_step ({self.samples_per_step}) must be a multiple of samples_per_prompt "
@@ -112,6 +125,8 @@ class Files(NamedTuple):
     model: Path
     prompts: Path
     weights: Path  # --update-weight-disk-dir
+    local_weights: Path  # --update-weight-local-checkpoint-dir (delta pushes)
+    checkpoints: Path  # --save (--release-train)
 
 
 def task_files(task_dir: Path, workdir: Path, seed: int = 0) -> Files:
@@ -124,7 +139,14 @@ def task_files(task_dir: Path, workdir: Path, seed: int = 0) -> Files:
     prompts = task_dir / "prompts.jsonl"
     if not prompts.exists():
         target_task.write_prompts(prompts)
-    return Files(model, prompts, workdir / "weights")
+    return Files(model, prompts, workdir / "weights", workdir / "local_weights", workdir / "checkpoints")
+
+
+SYNC_FLAGS = {
+    "full": lambda files: [],
+    "delta": lambda files: ["--update-weight-mode", "delta", "--update-weight-local-checkpoint-dir", str(files.local_weights)],
+    "release_train": lambda files: ["--release-train", "--save", str(files.checkpoints)],
+}  # fmt: skip
 
 
 def slime_argv(config: LoopConfig, files: Files) -> list:
@@ -143,7 +165,7 @@ def slime_argv(config: LoopConfig, files: Files) -> list:
         "--advantage-estimator", "grpo", "--lr", str(config.lr), "--seed", str(config.seed),
         "--rollout-seed", str(config.seed), "--entropy-coef", "0",
         "--update-weight-transport", "disk", "--update-weight-disk-dir", str(files.weights),
-        "--update-weight-disk-keep-files",
+        "--update-weight-disk-keep-files", *SYNC_FLAGS[config.weight_sync](files),
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1",
         "--rollout-num-gpus", "1", "--rollout-num-gpus-per-engine", "1",
     ]  # fmt: skip
@@ -196,6 +218,17 @@ def build_args(config: LoopConfig, files: Files):
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     return args
+
+
+def serve_launch_weights(engine: tuple, model: Path) -> None:
+    """Have the engine at `engine` serve `model` as SGLang's `"default"` weights, as an engine
+    slime launched on --hf-checkpoint `model` would: a delta run's first call only captures that
+    base (no push), and a shared server holds the last run's weights."""
+    status, body = sglang_server.post(
+        engine[1], "/update_weights_from_disk", {"model_path": str(model), "weight_version": "default"}
+    )
+    if status != 200 or not body.get("success"):
+        raise RuntimeError(f"the engine at {engine[0]}:{engine[1]} did not load {model}: {status} {body}")
 
 
 def serve_lagged(lag: int, served: list):
@@ -274,6 +307,7 @@ class Observations:
         self.forward_drift = []  # per rollout: max over tokens of |Megatron - SGLang| / max(1, |SGLang|) log-prob, before its first step
         self.pushes = []  # (pushed, served) per push, from `serve_lagged`
         self.learner_rewards = []  # (pushed, reward) per push, from `record_learner_reward` (when on)
+        self.train_actors = 0  # train actors started (one, or one more per rollout under --release-train)
         self.started = time.perf_counter()
 
     def install(self) -> None:
@@ -298,6 +332,13 @@ class Observations:
             return rollout_data
 
         MegatronTrainRayActor._get_rollout_data = recording_rollout_data
+        init = MegatronTrainRayActor.init
+
+        def counting_init(actor_self, *args, **kwargs):
+            self.train_actors += 1
+            return init(actor_self, *args, **kwargs)
+
+        MegatronTrainRayActor.init = counting_init
         compute_advantages = actor.compute_advantages_and_returns
 
         def recording_drift(args, rollout_data):
@@ -375,6 +416,7 @@ class Observations:
             "pushes": [{"pushed": p, "served": s} for p, s in self.pushes],
             "learner_rewards": [{"pushed": p, "reward": r} for p, r in self.learner_rewards],
             "push_steps": {str(v): n for v, n in sorted(age.CLOCK.push_steps.items())},
+            "train_actors": self.train_actors,
             "kernel_paths": sorted([op, path] for op, path in _dispatch._LOGGED_PATHS),
             "seconds": time.perf_counter() - self.started,
         }
@@ -418,6 +460,8 @@ def run(config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_
         script = load_script(os.path.join(root, "train.py"))
         if server is not None:
             engine = (HOST, server.wait_ready(ENGINE_START_TIMEOUT_S).port)
+        if config.weight_sync == "delta":
+            serve_launch_weights(engine, files.model)
         script.create_placement_groups = stand_ins.create_placement_groups
         script.create_rollout_manager = stand_ins.rollout_manager(*engine)
         observations = Observations(config)

@@ -15,10 +15,13 @@ Two layers:
   (`packed_sequence_attention`), the TE-only layer-norm name of slime's llama conversions
   (`te_layer_norm_name`), Megatron-LM's training package where slime's train actor calls it
   (`initialize_megatron`, `get_model`, `core_transformer_config_from_args`; its flags:
-  `megatron_args`), and Ray's placement of the train actors (`allocate_train_actors`, behind
-  `ActorHandle`s). `create_placement_groups` and `rollout_manager(...)` stand for train.py's Ray
-  set-up (`loop.py` hands them to it): slime's own rollout manager around an SGLang server
-  already running, behind `RouterForwarder`, the stand-in for SGLang's router.
+  `megatron_args`; its checkpoints, `save_checkpoint` / `load_checkpoint`), Ray's placement of the
+  train actors (`allocate_train_actors`, behind `ActorHandle`s) and the end of a killed actor's
+  process (`release_process_state`, for --release-train). `create_placement_groups` and
+  `rollout_manager(...)` stand for train.py's Ray set-up (`loop.py` hands them to it): slime's own
+  rollout manager around an SGLang server already running, behind `RouterForwarder`, the
+  stand-in for SGLang's router, its engine's /pull_weights (`pull_weights`, for
+  --update-weight-mode delta) the stand-in for a newer SGLang's.
 
 - `use_newer_flags()`: a newer slime's parser (THUDM/slime at d88425a0) as far as the package meets
   it, for the tests of the package's flags (`test_upstream_slime_args.py`).
@@ -38,6 +41,7 @@ import json
 import sys
 import threading
 import types
+from pathlib import Path
 
 import torch
 
@@ -126,11 +130,32 @@ def _fill_ray(module) -> None:
     module.put = lambda value, **kwargs: value
     module.get = lambda ref, **kwargs: ref
     module.is_initialized = lambda: False
-    module.kill = lambda actor, **kwargs: None
+    module.kill = lambda actor, **kwargs: release_process_state(actor)
     module.get_gpu_ids = lambda: [0]  # the one train actor's slot (slime's train_actor.py reads it)
     # the node's address, where slime's actors pick a rendezvous port: this machine
     module._private = types.SimpleNamespace(services=types.SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1"))
 
+
+
+def release_process_state(handle) -> None:
+    """What the end of a killed train actor's process releases (--release-train kills the train
+    actors after every push and starts new ones, `RayTrainGroup.release` / `create`): in this
+    process, for a slime train actor whose process group is up, megatron-core's model-parallel
+    groups, its micro-batch calculator, torch.distributed's default group and slime's `Timer` (a
+    per-process singleton whose timers the actor leaves running), so that the next actor's `init`
+    sets them up afresh as a new process would. Anything else ends nothing."""
+    from megatron.core import num_microbatches_calculator, parallel_state
+    from slime.observability.timer import Timer
+    from slime.ray.train_actor import TrainRayActor
+    from slime.utils.misc import SingletonMeta
+
+    target = getattr(handle, "_target", handle)
+    if not isinstance(target, TrainRayActor) or not torch.distributed.is_initialized():
+        return
+    SingletonMeta._instances.pop(Timer, None)
+    parallel_state.destroy_model_parallel()
+    num_microbatches_calculator.destroy_num_microbatches_calculator()
+    torch.distributed.destroy_process_group()
 
 def _fill_megatron_global_vars(module) -> None:
     """Megatron-LM's `global_vars.set_args` / `get_args` keep the args as Megatron's do (slime's
@@ -547,6 +572,110 @@ def initialize_megatron(args) -> None:
         load_function(args.custom_megatron_init_path)(args)
 
 
+
+CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's, which slime's load reads to tell the format
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, **kwargs) -> None:
+    """Megatron-LM's `save_checkpoint` (megatron/training/checkpointing.py; slime's `save` calls it
+    under --save and --release-train): for one CPU rank, the model's, the optimizer's (unless
+    --no-save-optim) and the scheduler's state and the host RNGs in --save/iter_NNNNNNN, and
+    Megatron's tracker file naming that iteration."""
+    import random
+
+    import numpy
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    folder = Path(args.save) / f"iter_{iteration:07d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {
+        "iteration": iteration, "model": [chunk.state_dict() for chunk in model],
+        "optimizer": None if args.no_save_optim else optimizer.state_dict(),
+        "opt_param_scheduler": opt_param_scheduler.state_dict(),
+        "rng": (random.getstate(), numpy.random.get_state(), torch.get_rng_state()),
+    }  # fmt: skip
+    torch.save(state, folder / "state.pt")
+    (Path(args.save) / CHECKPOINT_TRACKER).write_text(str(iteration))
+
+
+def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, checkpointing_context=None, skip_load_to_model_and_opt=False, **kwargs):
+    """Megatron-LM's `load_checkpoint` (slime's `load_checkpoint` calls it for a --load written by
+    Megatron, as --release-train's next actors' is) for what `save_checkpoint` wrote: the model,
+    the optimizer (unless --no-load-optim), the scheduler, the RNGs (unless --no-load-rng);
+    (iteration, floating-point operations so far: 0)."""
+    import random
+
+    import numpy
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    iteration = int((Path(args.load) / CHECKPOINT_TRACKER).read_text())
+    state = torch.load(Path(args.load) / f"iter_{iteration:07d}" / "state.pt", weights_only=False)
+    for chunk, chunk_state in zip(ddp_model, state["model"], strict=True):
+        chunk.load_state_dict(chunk_state)
+    if optimizer is not None and not args.no_load_optim:
+        if state["optimizer"] is None:
+            raise ValueError(f"{args.load} holds no optimizer state (saved with --no-save-optim): pass --no-load-optim")
+        optimizer.load_state_dict(state["optimizer"])
+    if opt_param_scheduler is not None:
+        opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+    if not args.no_load_rng:
+        python_rng, numpy_rng, torch_rng = state["rng"]
+        random.setstate(python_rng)
+        numpy.random.set_state(numpy_rng)
+        torch.set_rng_state(torch_rng)
+    return iteration, 0
+
+
+def pull_weights(args, target_version: int) -> dict:
+    """SGLang's /pull_weights (sglang.srt.weight_sync.disk_delta, in the SGLang builds slime's delta
+    mode runs with; 0.5.23 has none), which slime's `SGLangEngine.pull_weights` calls, for one
+    host: version 0 materialises the local checkpoint (--update-weight-local-checkpoint-dir) from
+    --hf-checkpoint, the base the engine was launched on; version n applies the delta slime
+    published in --update-weight-disk-dir/weight_vNNNNNN onto it, tensor by tensor in place
+    (slime's default xor encoding; its checksums from the files' metadata), refusing a delta whose
+    base is not the version the checkpoint holds or whose result fails its checksum."""
+    import shutil
+
+    import numpy
+    import safetensors
+    import zstandard
+    from slime.utils.disk_delta import _tensor_locations, checksum
+
+    local = Path(args.update_weight_local_checkpoint_dir)
+    marker = local / "fusedrl_pulled_version"
+    if target_version == 0:
+        shutil.rmtree(local, ignore_errors=True)
+        shutil.copytree(args.hf_checkpoint, local)
+        marker.write_text("0")
+        return {"success": True}
+    source = Path(args.update_weight_disk_dir) / f"weight_v{target_version:06d}"
+    metadata = json.loads((source / "model.safetensors.index.json").read_text())["metadata"]
+    held = int(marker.read_text())
+    if metadata["delta_encoding"] != "xor":
+        raise ValueError(f"the stand-in applies slime's default xor deltas, not {metadata['delta_encoding']!r} ({source})")
+    if int(metadata["base_version"]) != held:
+        raise ValueError(f"{source} is a delta on version {metadata['base_version']}, the local checkpoint holds {held}")
+    locations = _tensor_locations(str(local))
+    for delta_file in sorted(source.glob("*.safetensors")):
+        with safetensors.safe_open(str(delta_file), "np") as deltas:
+            digests = deltas.metadata()
+            for name in deltas.keys():
+                path, offset, nbytes = locations[name]
+                with open(path, "r+b") as tensor_file:
+                    tensor_file.seek(offset)
+                    old = numpy.frombuffer(tensor_file.read(nbytes), dtype=numpy.uint8)
+                    diff = numpy.frombuffer(zstandard.ZstdDecompressor().decompress(deltas.get_tensor(name).tobytes()), numpy.uint8)
+                    new = old ^ diff
+                    if checksum(metadata["checksum_format"], new) != digests[name]:
+                        raise ValueError(f"{name} of {delta_file} fails its {metadata['checksum_format']} checksum once applied")
+                    tensor_file.seek(offset)
+                    tensor_file.write(new.tobytes())
+    marker.write_text(str(target_version))
+    return {"success": True}
+
+
 def create_placement_groups(args) -> dict:
     """train.py's GPU allocation (slime/ray/placement_group.py) asks Ray for placement groups of
     GPU bundles: here the one train actor takes slot 0 of no group, and the rollout side none (its
@@ -590,6 +719,7 @@ def rollout_manager(engine_host: str, engine_port: int):
         engine.args, engine.rank, engine.worker_type, engine.node_rank = args, 0, "regular", 0
         engine.server_host, engine.server_port = engine_host, engine_port
         engine.router_ip, engine.router_port = router.host, router.port
+        engine.pull_weights = lambda target_version: pull_weights(args, target_version)
         group = ServerGroup(args=args, pg=pg, all_engines=[ActorHandle(engine)], num_gpus_per_engine=1,
                             num_new_engines=1, router_ip=router.host, router_port=router.port)  # fmt: skip
         manager = object.__new__(RolloutManager)
@@ -614,7 +744,7 @@ def run_on_cpu() -> None:
     and `rollout_manager(...)` are train.py's to take (`loop.py`)."""
     from megatron.core.optimizer import optimizer
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from slime.backends.megatron_utils import actor, hf_to_megatron, megatron_to_hf, model, model_provider
+    from slime.backends.megatron_utils import actor, checkpoint, hf_to_megatron, megatron_to_hf, model, model_provider
     from slime.ray.actor_group import RayTrainGroup
 
     if getattr(DotProductAttention.forward, "_stand_in", False):
@@ -629,6 +759,7 @@ def run_on_cpu() -> None:
     model_provider.core_transformer_config_from_args = core_transformer_config_from_args
     model.get_model = get_model
     actor.init = initialize_megatron
+    model.save_checkpoint, checkpoint._load_checkpoint_megatron = save_checkpoint, load_checkpoint
     RayTrainGroup._allocate_gpus_for_actor = allocate_train_actors
 
 

@@ -27,12 +27,13 @@ SERIES = ("reward", "drift", "grad_norm", "pg_loss")
 
 def run_name(config) -> str:
     """The record's file stem: the method (with M2PO's threshold), learning rate, lag, seed and
-    geometry, and whether it holds the learner's reward."""
+    geometry, whether it holds the learner's reward, and the weight push where not slime's full one."""
     method = config.method if config.m2po_tau is None else f"{config.method}-tau{config.m2po_tau:g}"
     learner = "-learner" if config.learner_reward else ""
+    push = "" if config.weight_sync == "full" else f"-{config.weight_sync}"
     return (
         f"{method}-lr{config.lr:g}-lag{config.lag}-seed{config.seed}-"
-        f"{config.steps_per_rollout}spr-{config.samples_per_step}sps-{config.steps}steps{learner}"
+        f"{config.steps_per_rollout}spr-{config.samples_per_step}sps-{config.steps}steps{learner}{push}"
     )
 
 

@@ -13,7 +13,7 @@ from bench_package import import_bench
 import_bench()
 from bench.studies import stale_rollouts  # noqa: E402
 from bench.studies import stale_rollouts_report as report  # noqa: E402
-from bench.studies.stale_rollouts_store import RunStore, compact  # noqa: E402
+from bench.studies.stale_rollouts_store import RunStore, compact, run_name  # noqa: E402
 
 STEPS, SEEDS, LAGS = 100, 2, (0, 4)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -254,6 +254,30 @@ def test_the_trust_region_arms_and_their_comparisons_all_hold_the_learners_rewar
     arms = {(config.method, config.lag, config.m2po_tau) for config in configs}
     assert {(method, lag, None) for method, lag in stale_rollouts.COMPARISON_ARMS} < arms
     assert len(configs) == SEEDS * len(arms)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"method": "ppo_clip"}, "method must be one of"),
+        ({"method": "m2po"}, "m2po_tau goes with"),
+        ({"method": "sfc", "m2po_tau": 1.0}, "m2po_tau goes with"),
+        ({"lag": -1}, "lag must be >= 0"),
+        ({"samples_per_step": 12}, "samples_per_step \\(12\\) must be a multiple"),
+        ({"weight_sync": "nccl"}, "weight_sync must be one of"),
+        ({"weight_sync": "delta", "lag": 2}, "weight_sync 'delta' takes lag 0"),
+        ({"weight_sync": "delta", "learner_reward": True}, "weight_sync 'delta' takes lag 0 and no learner's reward"),
+    ],
+)
+def test_a_run_configuration_that_cannot_run_is_refused_by_name(fields, message):
+    with pytest.raises(ValueError, match=message):
+        stale_rollouts.loop.LoopConfig(**{"method": "sfc", **fields})
+
+
+def test_a_run_on_another_weight_push_has_a_name_of_its_own():
+    names = {run_name(stale_rollouts.loop.LoopConfig("sfc", weight_sync=sync))
+             for sync in stale_rollouts.loop.WEIGHT_SYNCS}  # fmt: skip
+    assert len(names) == len(stale_rollouts.loop.WEIGHT_SYNCS)
 
 REPORT_GEOMETRY = ["--steps", str(STEPS), "--steps-per-rollout", "2", "--seeds", str(SEEDS), "--lags", *map(str, LAGS)]
 

@@ -4,8 +4,11 @@ and the weight push, on stale rollouts.
 
 Lag 2 (the engine serves the snapshot two pushes behind the trainer) and 2 optimizer steps per
 rollout: the engine serves v1 for rollouts 0-2 and v2 for rollout 3, so the loss's ages read
-0,1 | 2,3 | 4,5 | 4,5. Three runs on one SGLang server: SFC on the float64 reference path, the
-package's REINFORCE, and SFC again with the Triton interpreter on (the fused kernels in the loop).
+0,1 | 2,3 | 4,5 | 4,5. The runs, one after the other on one SGLang server: SFC on the float64
+reference path, the package's REINFORCE, slime's PPO + TIS, SFC again with the Triton interpreter
+on (the fused kernels in the loop), and SFC on fresh rollouts through slime's two other ways to
+push: delta pushes (--update-weight-mode delta) and train actors released after every push
+(--release-train).
 """
 
 import math
@@ -31,6 +34,9 @@ SFC = slime_loop.LoopConfig("sfc", rollouts=4, learner_reward=True, **GEOMETRY)
 REINFORCE = slime_loop.LoopConfig("reinforce", rollouts=2, learner_reward=True, **GEOMETRY)
 PPO_TIS = slime_loop.LoopConfig("ppo_tis", rollouts=2, learner_reward=True, **GEOMETRY)  # slime's own PPO loss with TIS
 INTERPRETED = slime_loop.LoopConfig("sfc", rollouts=1, **GEOMETRY)  # without the learner's reward
+FRESH = {**GEOMETRY, "lag": 0}
+DELTA = slime_loop.LoopConfig("sfc", rollouts=2, weight_sync="delta", **FRESH)
+RELEASE_TRAIN = slime_loop.LoopConfig("sfc", rollouts=2, weight_sync="release_train", **FRESH)
 # Each optimizer step's SFC ages (issue 30): v1 pushed before step 0 and served for three
 # rollouts, v2 pushed after step 1 and served from rollout 3.
 AGES = [[0], [1], [2], [3], [4], [5], [4], [5]]
@@ -59,7 +65,10 @@ def engine(tmp_path_factory):
 def runs(engine, tmp_path_factory):
     """{name: observations} of the three runs, one after the other on the one server."""
     address, task_dir, _ = engine
-    plans = {"sfc": (SFC, None), "reinforce": (REINFORCE, None), "ppo_tis": (PPO_TIS, None), "interpreted": (INTERPRETED, "1")}
+    plans = {
+        "sfc": (SFC, None), "reinforce": (REINFORCE, None), "ppo_tis": (PPO_TIS, None), "interpreted": (INTERPRETED, "1"),
+        "delta": (DELTA, None), "release_train": (RELEASE_TRAIN, None),
+    }  # fmt: skip
     return {
         name: slime_loop.run_in_subprocess(
             config, tmp_path_factory.mktemp(f"loop_{name}"), address, task_dir, LOOP_TIMEOUT_S, TRITON_INTERPRET=interpret
@@ -108,7 +117,8 @@ def test_drift_at_age_zero_is_rounding(runs):
 
 
 def test_every_loss_trains_to_the_end(runs):
-    for name, config in (("sfc", SFC), ("reinforce", REINFORCE), ("ppo_tis", PPO_TIS), ("interpreted", INTERPRETED)):
+    for name, config in (("sfc", SFC), ("reinforce", REINFORCE), ("ppo_tis", PPO_TIS), ("interpreted", INTERPRETED),
+                         ("delta", DELTA), ("release_train", RELEASE_TRAIN)):  # fmt: skip
         steps = runs[name]["steps"]
         assert len(steps) == config.steps, name
         # a step whose samples all scored alike has zero advantages, a zero gradient
@@ -143,3 +153,33 @@ def test_the_learners_reward_is_recorded_at_every_push(runs):
         rewards = runs[name]["learner_rewards"]
         assert [push["pushed"] for push in rewards] == list(range(1, config.rollouts + 2)), name
         assert all(0.0 <= push["reward"] <= 1.0 for push in rewards), name
+
+
+@pytest.mark.parametrize(
+    "name, config, served, push_steps",
+    [
+        # the delta updater's first call captures the engine's launch weights (SGLang's "default",
+        # version 0 for SFC) and pushes nothing; every later call publishes and applies a delta
+        ("delta", DELTA, [[0], [1]], {"0": 0, "1": 2, "2": 4}),
+        # slime kills the train actor after every push and starts a new one from --save
+        ("release_train", RELEASE_TRAIN, [[1], [2]], {"1": 0, "2": 2, "3": 4}),
+    ],
+)
+def test_sfc_trains_on_delta_pushes_and_on_released_trainers(runs, name, config, served, push_steps):
+    """SFC through slime's other two ways to push, on fresh rollouts: the ages of the loop (0, 1 in
+    each rollout of two steps), the versions the engine served, the clock's pushes, and the pushed
+    weights exactly what the trainer holds at every rollout (the delta applied onto the engine's
+    checkpoint; the released trainer's successor loaded from --save): SGLang's and Megatron's
+    log-probs agree to fp32 rounding before each rollout's first step and the drift there is rounding."""
+    observed = runs[name]
+    assert [step["ages"] for step in observed["steps"]] == [[0], [1]] * config.rollouts
+    assert [rollout["versions"] for rollout in observed["rollouts"]] == served
+    assert observed["push_steps"] == push_steps
+    assert len(observed["forward_drift"]) == config.rollouts
+    assert all(drift < FP32_ROUNDING for drift in observed["forward_drift"])
+    assert all(abs(step["drift"]) < AGE_ZERO_DRIFT for step in observed["steps"][::STEPS_PER_ROLLOUT])
+
+
+def test_release_train_starts_a_train_actor_per_rollout(runs):
+    assert runs["sfc"]["train_actors"] == runs["delta"]["train_actors"] == 1
+    assert runs["release_train"]["train_actors"] == 1 + RELEASE_TRAIN.rollouts
