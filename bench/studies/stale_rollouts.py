@@ -65,6 +65,7 @@ from .stale_rollouts_store import RunStore
 ROOT = loop.ROOT
 RUNS_DIR = ROOT / "bench" / "studies" / "stale_rollouts_runs"
 REPORT_DIR = ROOT / "docs" / "stale_rollouts"
+TRUST_REGION_REPORT_DIR = REPORT_DIR / "trust_region"
 WORK_DIR = ROOT / "bench" / "results" / "stale_rollouts"
 QUICK_DIR = ROOT / "bench" / "results" / "stale_rollouts_quick"  # --quick's runs, work and report: never committed
 METHODS = loop.METHODS
@@ -272,8 +273,11 @@ def parse(argv=None):
                         help="with --report: report the main runs recorded so far (the grid must be complete), naming the missing")
     parser.add_argument("--runs", type=Path, default=RUNS_DIR, help="the runs' records (read to resume, and for the report)")
     parser.add_argument("--work", type=Path, default=WORK_DIR, help="the runs' logs, weights and task")
-    parser.add_argument("--report-dir", type=Path, default=REPORT_DIR, help="where the table and charts go")
+    parser.add_argument("--report-dir", type=Path,
+                        help=f"where the table and charts go (default: {REPORT_DIR}, with --trust-region {TRUST_REGION_REPORT_DIR})")  # fmt: skip
     options = parser.parse_args(argv)
+    if options.report_dir is None:
+        options.report_dir = TRUST_REGION_REPORT_DIR if options.trust_region else REPORT_DIR
     if options.quick:
         options.seeds, options.lags, options.steps, options.steps_per_rollout = 1, [0, 2], 6, 2
         options.samples_per_step, options.lrs, options.one_server, options.extra = 16, [3e-3], True, False
@@ -356,8 +360,23 @@ def start_engines(options) -> list:
     return servers
 
 
+def trust_region_grid(options, store: RunStore) -> list:
+    """The threshold grid's configs: TAU_GRID's, then each widening recorded in `store`."""
+    base = replace(trust_region_base(options), lag=TRUST_REGION_LAG, seed=0)
+    taus = list(TAU_GRID)
+    while len(taus) < len(TAU_GRID) + MAX_WIDENINGS and store.saved(replace(base, m2po_tau=taus[-1] * 4)) is not None:
+        taus.append(taus[-1] * 4)
+    return [replace(base, m2po_tau=tau) for tau in taus]
+
+
+def trust_region_report_configs(options, store: RunStore, tau: float) -> list:
+    """What the trust-region report covers: the threshold grid, then the arms at the threshold `tau`."""
+    return list(dict.fromkeys(trust_region_grid(options, store) + trust_region_configs(options, tau)))
+
+
 def run_trust_region(options, store: RunStore, study: Study) -> None:
-    """The trust-region study: the threshold grid, then M2PO's arms at the chosen threshold."""
+    """The trust-region study: the threshold grid, then M2PO's arms at the chosen threshold, then
+    its report."""
     from ..harness.progress import Progress
 
     grid = [replace(trust_region_base(options), lag=TRUST_REGION_LAG, seed=0, m2po_tau=tau) for tau in TAU_GRID]
@@ -371,6 +390,7 @@ def run_trust_region(options, store: RunStore, study: Study) -> None:
     configs = trust_region_configs(options, tau)
     progress.plan([config.method for config in configs if store.saved(config) is None])
     study.run(configs, progress)
+    write_report(options, store, trust_region_report_configs(options, store, tau))
 
 
 def main(argv=None) -> None:
@@ -380,7 +400,10 @@ def main(argv=None) -> None:
     grid, main_configs = study_configs(options)
     store = RunStore(options.runs, commit=options.commit)
     if options.report:
-        configs = main_configs(chosen_rates(options, recorded(store), grid))
+        if options.trust_region:
+            configs = trust_region_report_configs(options, store, chosen_tau(options, recorded(store)))
+        else:
+            configs = main_configs(chosen_rates(options, recorded(store), grid))
         if options.partial:
             missing = [store.path(config).stem for config in configs if store.saved(config) is None]
             configs = [config for config in configs if store.saved(config) is not None]

@@ -5,7 +5,7 @@ table and both charts), and its refusals. The runs themselves are the loop of
 tests/test_slime/test_upstream_slime_loop.py."""
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 from bench_package import import_bench
@@ -305,6 +305,36 @@ def test_report_alone_rewrites_table_and_charts_from_the_records(tmp_path, capsy
     assert all((tmp_path / "report" / chart).exists() for chart in (report.REWARD_CHART, report.STALENESS_CHART))
     assert table.strip() in capsys.readouterr().out
 
+
+def with_learner(config, late: float) -> dict:
+    """`observations` of `config` with the learner's reward per push, `late` over the last 32 pushes."""
+    learner = [0.1] * (config.rollouts + 1 - 32) + [late] * 32
+    return {**observations(config), "learner_rewards": [{"pushed": v + 1, "reward": r} for v, r in enumerate(learner)]}
+
+
+def test_the_trust_region_report_covers_the_threshold_grid_and_the_arms_at_the_chosen_one(tmp_path, capsys):
+    """`--trust-region --report`: the grid at lag 16 (its best, 0.64, at the top, so one widening
+    is recorded too, below it), then every arm at 0.64 over the seeds, each once, in
+    docs/stale_rollouts/trust_region unless told otherwise."""
+    argv = [*REPORT_GEOMETRY, "--trust-region", "--runs", str(tmp_path / "runs"), "--report-dir", str(tmp_path / "report")]
+    options = stale_rollouts.parse(argv)
+    store = RunStore(tmp_path / "runs")
+    base = replace(stale_rollouts.trust_region_base(options), lag=stale_rollouts.TRUST_REGION_LAG)
+    for tau, late in ((0.04, 0.2), (0.16, 0.4), (0.64, 0.9), (2.56, 0.5)):
+        config = replace(base, m2po_tau=tau)
+        store.save(config, with_learner(config, late))
+    for config in stale_rollouts.trust_region_configs(options, 0.64):
+        if store.saved(config) is None:
+            store.save(config, with_learner(config, 0.7))
+    stale_rollouts.main(["--report", *argv])
+    rows = rows_by_name((tmp_path / "report" / report.TABLE).read_text())
+    grid = [f"M2PO tau {tau:g}, lag 16" for tau in (0.04, 0.16, 2.56)]
+    arms = ["M2PO tau 0.64, lag 0", "M2PO tau 0.64, lag 8", "M2PO tau 0.64, lag 16", "SFC + KL, lag 16",
+            "PPO + TIS, lag 0", "PPO + TIS, lag 16", "SFC + KL + M2 tau 0.64, lag 16", "PPO + AReaL M2 tau 0.64, lag 16"]  # fmt: skip
+    assert sorted(rows) == sorted(grid + arms)
+    assert [rows[name][2] for name in grid] == ["1"] * 3 and [rows[name][2] for name in arms] == [str(SEEDS)] * len(arms)
+    assert "M2PO's threshold: 0.64" in capsys.readouterr().err
+    assert stale_rollouts.parse(["--trust-region"]).report_dir == stale_rollouts.TRUST_REGION_REPORT_DIR
 
 @pytest.mark.parametrize(
     "argv, message",
