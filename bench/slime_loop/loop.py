@@ -308,6 +308,7 @@ class Observations:
         self.pushes = []  # (pushed, served) per push, from `serve_lagged`
         self.learner_rewards = []  # (pushed, reward) per push, from `record_learner_reward` (when on)
         self.train_actors = 0  # train actors started (one, or one more per rollout under --release-train)
+        self.push_steps = {}  # version -> steps completed, as SFC's age clock recorded each push
         self.started = time.perf_counter()
 
     def install(self) -> None:
@@ -358,6 +359,13 @@ class Observations:
             return result
 
         age.CLOCK.ages = recording_ages
+        record_push = age.CLOCK.record_push
+
+        def recording_push(version):
+            record_push(version)
+            self.push_steps[int(version)] = age.CLOCK.steps_started
+
+        age.CLOCK.record_push = recording_push
 
     def _rollout(self, rollout_data) -> None:
         from fusedrl.slime_ext.carry import SFC_DRAWS_KEY, SFC_VERSIONS_KEY
@@ -406,7 +414,6 @@ class Observations:
                 }
             )
         from fusedrl.kernels import _dispatch
-        from fusedrl.slime_ext import age
 
         return {
             "config": dataclasses.asdict(self.config),
@@ -415,7 +422,7 @@ class Observations:
             "forward_drift": self.forward_drift,
             "pushes": [{"pushed": p, "served": s} for p, s in self.pushes],
             "learner_rewards": [{"pushed": p, "reward": r} for p, r in self.learner_rewards],
-            "push_steps": {str(v): n for v, n in sorted(age.CLOCK.push_steps.items())},
+            "push_steps": {str(v): n for v, n in sorted(self.push_steps.items())},
             "train_actors": self.train_actors,
             "kernel_paths": sorted([op, path] for op, path in _dispatch._LOGGED_PATHS),
             "seconds": time.perf_counter() - self.started,

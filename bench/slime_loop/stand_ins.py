@@ -141,9 +141,11 @@ def release_process_state(handle) -> None:
     """What the end of a killed train actor's process releases (--release-train kills the train
     actors after every push and starts new ones, `RayTrainGroup.release` / `create`): in this
     process, for a slime train actor whose process group is up, megatron-core's model-parallel
-    groups, its micro-batch calculator, torch.distributed's default group and slime's `Timer` (a
-    per-process singleton whose timers the actor leaves running), so that the next actor's `init`
-    sets them up afresh as a new process would. Anything else ends nothing."""
+    groups, its micro-batch calculator, torch.distributed's default group, slime's `Timer` (a
+    per-process singleton whose timers the actor leaves running) and the package's SFC age clock
+    (emptied: the next actor must restore it as a new process would), so that the next actor's
+    `init` sets them up afresh. Anything else ends nothing."""
+    from fusedrl.slime_ext import age
     from megatron.core import num_microbatches_calculator, parallel_state
     from slime.observability.timer import Timer
     from slime.ray.train_actor import TrainRayActor
@@ -153,6 +155,7 @@ def release_process_state(handle) -> None:
     if not isinstance(target, TrainRayActor) or not torch.distributed.is_initialized():
         return
     SingletonMeta._instances.pop(Timer, None)
+    age.CLOCK.restore(age.AgeClock().state())
     parallel_state.destroy_model_parallel()
     num_microbatches_calculator.destroy_num_microbatches_calculator()
     torch.distributed.destroy_process_group()
