@@ -86,8 +86,8 @@ TAU_GRID = (0.04, 0.16, 0.64)
 TRUST_REGION_LAG, TRUST_REGION_LR = 16, 1e-3
 M2PO_LAGS = (0, 8, 16)
 # what the trust regions are measured against, with the learner's reward too: slime's PPO + TIS
-# fresh and as stale, and SFC + KL as stale (TRUST_REGION_LR is the lag-0 grid's best for both)
-COMPARISON_ARMS = (("ppo_tis", 0), ("ppo_tis", TRUST_REGION_LAG), ("sfc", TRUST_REGION_LAG))
+# and SFC + KL, fresh and as stale (TRUST_REGION_LR is the lag-0 grid's best for both)
+COMPARISON_ARMS = (("ppo_tis", 0), ("ppo_tis", TRUST_REGION_LAG), ("sfc", TRUST_REGION_LAG), ("sfc", 0))
 LR_GRID = (3e-4, 1e-3, 3e-3)  # brackets the pilot's REINFORCE at 1e-3 (0.35 after 320 steps; 3e-3 stalled)
 LAGS = (0, 4, 8)
 

@@ -329,7 +329,7 @@ def test_the_trust_region_report_covers_the_threshold_grid_and_the_arms_at_the_c
     stale_rollouts.main(["--report", *argv])
     rows = rows_by_name((tmp_path / "report" / report.TABLE).read_text())
     grid = [f"M2PO tau {tau:g}, lag 16" for tau in (0.04, 0.16, 2.56)]
-    arms = ["M2PO tau 0.64, lag 0", "M2PO tau 0.64, lag 8", "M2PO tau 0.64, lag 16", "SFC + KL, lag 16",
+    arms = ["M2PO tau 0.64, lag 0", "M2PO tau 0.64, lag 8", "M2PO tau 0.64, lag 16", "SFC + KL, lag 0", "SFC + KL, lag 16",
             "PPO + TIS, lag 0", "PPO + TIS, lag 16", "SFC + KL + M2 tau 0.64, lag 16", "PPO + AReaL M2 tau 0.64, lag 16"]  # fmt: skip
     assert sorted(rows) == sorted(grid + arms)
     assert [rows[name][2] for name in grid] == ["1"] * 3 and [rows[name][2] for name in arms] == [str(SEEDS)] * len(arms)
