@@ -340,8 +340,10 @@ def recorded_rates(options, store: RunStore, grid: list) -> dict:
     return rates
 
 
-def write_report(options, store: RunStore, configs) -> None:
-    text = report.write([store.saved(config) for config in configs], options.report_dir)
+def write_report(options, store: RunStore, configs, charted=None) -> None:
+    """The report of `configs`' records, its charts of `charted`'s (default: the same)."""
+    charted_runs = None if charted is None else [store.saved(config) for config in charted]
+    text = report.write([store.saved(config) for config in configs], options.report_dir, charted_runs)
     print(text)
     print(f"wrote {report.TABLE}, {report.REWARD_CHART}, {report.STALENESS_CHART} in {options.report_dir}")
 
@@ -370,7 +372,8 @@ def trust_region_grid(options, store: RunStore) -> list:
 
 
 def trust_region_report_configs(options, store: RunStore, tau: float) -> list:
-    """What the trust-region report covers: the threshold grid, then the arms at the threshold `tau`."""
+    """What the trust-region report's table covers: the threshold grid, then the arms at the
+    threshold `tau` (its charts: those arms alone)."""
     return list(dict.fromkeys(trust_region_grid(options, store) + trust_region_configs(options, tau)))
 
 
@@ -390,7 +393,7 @@ def run_trust_region(options, store: RunStore, study: Study) -> None:
     configs = trust_region_configs(options, tau)
     progress.plan([config.method for config in configs if store.saved(config) is None])
     study.run(configs, progress)
-    write_report(options, store, trust_region_report_configs(options, store, tau))
+    write_report(options, store, trust_region_report_configs(options, store, tau), configs)
 
 
 def main(argv=None) -> None:
@@ -400,19 +403,22 @@ def main(argv=None) -> None:
     grid, main_configs = study_configs(options)
     store = RunStore(options.runs, commit=options.commit)
     if options.report:
+        charted = None
         if options.trust_region:
-            configs = trust_region_report_configs(options, store, chosen_tau(options, recorded(store)))
+            tau = chosen_tau(options, recorded(store))
+            configs, charted = trust_region_report_configs(options, store, tau), trust_region_configs(options, tau)
         else:
             configs = main_configs(chosen_rates(options, recorded(store), grid))
         if options.partial:
             missing = [store.path(config).stem for config in configs if store.saved(config) is None]
             configs = [config for config in configs if store.saved(config) is not None]
+            charted = charted and ([config for config in charted if config in configs] or None)
             print(f"partial report: {len(configs)} runs recorded, {len(missing)} not yet: {', '.join(missing)}",
                   file=sys.stderr, flush=True)  # fmt: skip
             if not configs:
                 raise SystemExit(f"no main run recorded yet in {store.folder}")
         _require_saved(store, configs)
-        write_report(options, store, configs)
+        write_report(options, store, configs, charted)
         return
     servers = start_engines(options) if options.one_server else []
     engines = [(loop.HOST, server.wait_ready(loop.ENGINE_START_TIMEOUT_S).port) for server in servers] or [None] * options.workers

@@ -274,11 +274,11 @@ def plot_staleness(runs, path: Path) -> None:
     plt.close(fig)
 
 
-def write(runs, folder: Path) -> str:
-    """The table and both charts into `folder`; the table's text."""
+def write(runs, folder: Path, charted=None) -> str:
+    """The table of `runs` and both charts of `charted` (default: `runs`) into `folder`; the table's text."""
     folder.mkdir(parents=True, exist_ok=True)
-    plot_reward(runs, folder / REWARD_CHART)
-    plot_staleness(runs, folder / STALENESS_CHART)
+    plot_reward(runs if charted is None else charted, folder / REWARD_CHART)
+    plot_staleness(runs if charted is None else charted, folder / STALENESS_CHART)
     text = table(runs)
     (folder / TABLE).write_text(text + "\n")
     return text
