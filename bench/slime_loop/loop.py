@@ -227,7 +227,7 @@ def serve_launch_weights(engine: tuple, model: Path) -> None:
     status, body = sglang_server.post(
         engine[1], "/update_weights_from_disk", {"model_path": str(model), "weight_version": "default"}
     )
-    if status != 200 or not body.get("success"):
+    if status != 200 or not (isinstance(body, dict) and body.get("success")):
         raise RuntimeError(f"the engine at {engine[0]}:{engine[1]} did not load {model}: {status} {body}")
 
 
