@@ -44,14 +44,24 @@ if ! command -v g++ >/dev/null || ! command -v gcc >/dev/null; then
     fi
 fi
 constraints="$here/test-constraints.txt"
-python -m pip install -q -c "$constraints" torch torchvision
-python -m pip install -q -c "$constraints" sglang==0.5.23
-python -m pip install -q -c "$constraints" -e "$here/..[test,bench]"
-python -m pip install -q -c "$constraints" --no-deps "verl==0.9.1"  # the pin of setup.py's bench-verl extra
+# Each install's seconds go to FUSEDRL_INSTALL_TIMES when set (a line "PART SECONDS" each), for the
+# install's parts in CI's summary (.ci/run).
+timed() {  # timed PART COMMAND...
+    local part=$1 part_started=$SECONDS
+    shift
+    "$@"
+    if [[ -n "${FUSEDRL_INSTALL_TIMES:-}" ]]; then
+        echo "$part $((SECONDS - part_started))" >> "$FUSEDRL_INSTALL_TIMES"
+    fi
+}
+timed torch python -m pip install -q -c "$constraints" torch torchvision
+timed sglang python -m pip install -q -c "$constraints" sglang==0.5.23
+timed fusedrl python -m pip install -q -c "$constraints" -e "$here/..[test,bench]"
+timed verl python -m pip install -q -c "$constraints" --no-deps "verl==0.9.1"  # the pin of setup.py's bench-verl extra
 python -c "import packaging, triton"  # all the isolated verl kernel imports besides torch
 removed=(kernels sgl-flash-mla)
-python -m pip uninstall -q -y "${removed[@]}"
-broken="$(python -m pip check | grep -vxF -e "sglang 0.5.23 requires kernels, which is not installed." \
+timed uninstall python -m pip uninstall -q -y "${removed[@]}"
+broken="$(timed pip-check python -m pip check | grep -vxF -e "sglang 0.5.23 requires kernels, which is not installed." \
     -e "sglang 0.5.23 requires sgl-flash-mla, which is not installed." | grep -v "^verl 0\.9\.1 \(requires\|has requirement\) " || true)"
 if [[ -n "$broken" ]]; then
     echo "install-test-deps.sh: pip check: $broken" >&2

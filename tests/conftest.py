@@ -13,6 +13,7 @@ import pytest
 import torch
 from device import DEVICE, ON_GPU
 from distributed import begin_test
+from fixture_times import pytest_fixture_setup  # noqa: F401 (the hook: each slow fixture set-up's seconds, for CI)
 from tiers import FULL_ENV, full_tier
 
 if not ON_GPU:

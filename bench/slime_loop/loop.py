@@ -442,10 +442,10 @@ def pinned_env(cpu: Optional[int]) -> dict:
 
 def start_engine(files: Files, workdir: Path, seed: int = sglang_server.SEED, cpu: Optional[int] = None) -> sglang_server.Server:
     """SGLang's real CPU server with the package's plugin on the task's model (not waited for):
-    bench/slime_loop/sglang_server.py's, sleeping when idle so that it leaves the cores to the
-    trainer between rollouts; on core `cpu` alone when given (`pinned`)."""
+    bench/slime_loop/sglang_server.py's (which sleeps when idle, leaving the cores to the trainer
+    between rollouts), without its warm-up request; on core `cpu` alone when given (`pinned`)."""
     stub = sglang_server.libcuda_stub(workdir / "libcuda")
-    extra = ["--sleep-on-idle", "--skip-server-warmup", "--random-seed", str(seed)]
+    extra = ["--skip-server-warmup", "--random-seed", str(seed)]
     launcher = pinned([sys.executable, "-m", "sglang.launch_server"], cpu)
     env = {**sglang_server.PLUGIN_ENV, **pinned_env(cpu)}
     return sglang_server.Server(files.model, stub, workdir / "server.log", env=env, extra_args=extra, launcher=launcher)

@@ -12,7 +12,9 @@ What it takes, built here at test time:
   and an offline word-level tokenizer (`w<id>` is token `<id>`); `llama_checkpoint` writes such a
   model of any vocabulary (the training-loop test's task has its own, bench/slime_loop/target_task.py).
 - `Server`: `python -m sglang.launch_server --device cpu` with SGLANG_USE_CPU_ENGINE=1 on a free
-  loopback port, in its own process group, its output in a log file; `wait_ready` polls
+  loopback port, in its own process group, its output in a log file, with `--sleep-on-idle`
+  (SGLang's scheduler otherwise busy-polls a core while it waits for requests, taking it from the
+  tests and the other servers beside it on a 2-core machine); `wait_ready` polls
   `/health_generate` for a bounded time and fails with the log's tail; `stop` ends the group
   it started, by its PID.
 - `post`: one HTTP request with the standard library (no client-side JSON encoding, so malformed
@@ -262,6 +264,7 @@ class Server:
             "--max-total-tokens", "4096",
             "--random-seed", str(SEED),
             "--weight-version", WEIGHT_VERSION,
+            "--sleep-on-idle",
             *extra_args,
         ]
         self._log = open(log_path, "wb")
