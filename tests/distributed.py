@@ -1,4 +1,4 @@
-"""The tests' one distributed-worker harness: CPU gloo process groups of spawned workers.
+"""The tests' one distributed-worker harness: CPU gloo process groups of forked workers.
 
 `DistributedPool(tp, cp, dp, pp, vp)`: tp * cp * dp * pp workers with `torch.distributed`
 initialised and, by default, megatron-core's parallel_state for those sizes (order tp-cp-dp-pp,
@@ -20,14 +20,19 @@ megatron-core's schedules and pipeline communication allocate on the CUDA device
 `torch.cuda.synchronize()`); on these CPU workers `cuda_on_cpu()` is the test-only stand-in for that
 device (see its docstring).
 
-Workers are spawned, not forked: a fork after the test process has run torch's OpenMP thread
-pool can deadlock the child's first parallel op. Results cross processes detached (autograd
-graphs do not), pickled in the worker so that one that cannot cross fails its task, not the queue.
+Workers fork from multiprocessing's fork server, not from the test process: a fork after the test
+process has run torch's OpenMP thread pool can deadlock the child's first parallel op, and the fork
+server never runs a torch op. It imports WORKER_IMPORTS once, with the Triton interpreter on, so a
+worker starts in well under a second where a spawned one re-imported torch and megatron-core
+(seconds of a busy core each, for every worker of every pool), and the workers share those pages.
+Results cross processes detached (autograd graphs do not), pickled in the worker so that one that
+cannot cross fails its task, not the queue.
 """
 
 import atexit
 import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import queue
@@ -153,7 +158,6 @@ def _worker(rank, world_size, init_file, sizes, megatron, tasks, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     info = _rank_info(rank, world_size, *sizes, megatron)
     while True:
@@ -173,15 +177,38 @@ def _worker(rank, world_size, init_file, sizes, megatron, tasks, results):
     os._exit(0)
 
 
+# What every worker imports, loaded once in the fork server (installed modules only: Python 3.11's
+# fork server does not take the test process's sys.path for its preload).
+WORKER_IMPORTS = ["torch", "torch.distributed", "megatron.core.parallel_state", "fusedrl.kernels"]
+
+
+def _fork_server():
+    """multiprocessing's fork-server context, its server started with WORKER_IMPORTS loaded. The
+    server takes the environment of its start: the Triton interpreter is on there (workers run on
+    CPU, also in a FUSEDRL_TEST_DEVICE=cuda session whose test process compiles the kernels)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(WORKER_IMPORTS)
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    return ctx
+
+
 class DistributedPool:
-    """World of tp * cp * dp * pp spawned CPU workers on one gloo group (megatron-core
+    """World of tp * cp * dp * pp CPU workers on one gloo group (megatron-core
     parallel_state initialised unless `megatron=False`; vp virtual stages per pipeline rank)."""
 
     def __init__(self, tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1, vp: Optional[int] = None, *,
                  megatron: bool = True, timeout: float = 1200.0):  # fmt: skip
         self.world_size = tp * cp * dp * pp
         self.timeout = timeout
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _fork_server()
         self._init_file = tempfile.mktemp(prefix="fusedrl_gloo_")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
