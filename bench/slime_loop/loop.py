@@ -500,16 +500,31 @@ def loop_environment(**overrides) -> dict:
     return env
 
 
+def run_files(config: LoopConfig, workdir: Path) -> tuple:
+    """(config, observations, log) paths of a run in its own process, the config written."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path, out_path, log_path = workdir / "config.json", workdir / "observations.json", workdir / "loop.log"
+    config_path.write_text(json.dumps(dataclasses.asdict(config)))
+    return config_path, out_path, log_path
+
+
+def observations(returncode: int, out_path: Path, log_path: Path) -> dict:
+    """A finished run's observations; a failed one raises with its log's tail."""
+    if returncode != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-60:])
+        raise RuntimeError(f"the loop exited with {returncode}; log tail ({log_path}):\n{tail}")
+    return json.loads(out_path.read_text())
+
+
 def run_in_subprocess(
     config: LoopConfig, workdir: Path, engine: Optional[tuple] = None, task_dir: Optional[Path] = None,
     timeout: Optional[float] = None, cpu: Optional[int] = None, **env,
 ) -> dict:  # fmt: skip
     """`run` in a fresh process (its output in workdir/loop.log), on core `cpu` alone when given
     (`pinned`; a server it starts inherits the core); its observations. `env`: changes to the
-    process's environment (`loop_environment`). Fails with the log's tail."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    config_path, out_path, log_path = workdir / "config.json", workdir / "observations.json", workdir / "loop.log"
-    config_path.write_text(json.dumps(dataclasses.asdict(config)))
+    process's environment (`loop_environment`). Fails with the log's tail. Several runs in one
+    environment: bench/slime_loop/fork_server.py imports once for all of them."""
+    config_path, out_path, log_path = run_files(config, workdir)
     command = pinned([sys.executable, "-m", __spec__.name, str(config_path), str(out_path)], cpu)
     if engine is not None:
         command += ["--engine", f"{engine[0]}:{engine[1]}"]
@@ -518,10 +533,7 @@ def run_in_subprocess(
     with open(log_path, "wb") as log:
         environment = loop_environment(**pinned_env(cpu), **env)
         completed = subprocess.run(command, env=environment, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-    if completed.returncode != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-60:])
-        raise RuntimeError(f"the loop exited with {completed.returncode}; log tail ({log_path}):\n{tail}")
-    return json.loads(out_path.read_text())
+    return observations(completed.returncode, out_path, log_path)
 
 
 def main(argv=None) -> None:

@@ -5,10 +5,10 @@ and the weight push, on stale rollouts.
 Lag 2 (the engine serves the snapshot two pushes behind the trainer) and 2 optimizer steps per
 rollout: the engine serves v1 for rollouts 0-2 and v2 for rollout 3, so the loss's ages read
 0,1 | 2,3 | 4,5 | 4,5. The runs, one after the other on one SGLang server: SFC on the float64
-reference path, the package's REINFORCE, slime's PPO + TIS, SFC again with the Triton interpreter
-on (the fused kernels in the loop), and SFC on fresh rollouts through slime's two other ways to
-push: delta pushes (--update-weight-mode delta) and train actors released after every push
-(--release-train).
+reference path, the package's REINFORCE, slime's PPO + TIS, SFC on fresh rollouts through slime's
+two other ways to push: delta pushes (--update-weight-mode delta) and train actors released after
+every push (--release-train), and SFC again with the Triton interpreter on (the fused kernels in
+the loop).
 """
 
 import math
@@ -25,6 +25,7 @@ ROOT = upstream_slime.require()
 # machine (ENGINE_START_TIMEOUT_S and LOOP_TIMEOUT_S bound each on a busy one).
 pytestmark = pytest.mark.timeout(3600)
 
+from bench.slime_loop import fork_server  # noqa: E402
 from bench.slime_loop import loop as slime_loop  # noqa: E402
 from bench.slime_loop import sglang_server  # noqa: E402
 
@@ -63,18 +64,19 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(engine, tmp_path_factory):
-    """{name: observations} of the three runs, one after the other on the one server."""
+    """{name: observations} of the runs, one after the other on the one server: forked from one
+    process that imported slime's stack once (bench/slime_loop/fork_server.py), the interpreted
+    run in its own (the interpreter is chosen at import)."""
     address, task_dir, _ = engine
-    plans = {
-        "sfc": (SFC, None), "reinforce": (REINFORCE, None), "ppo_tis": (PPO_TIS, None), "interpreted": (INTERPRETED, "1"),
-        "delta": (DELTA, None), "release_train": (RELEASE_TRAIN, None),
-    }  # fmt: skip
-    return {
-        name: slime_loop.run_in_subprocess(
-            config, tmp_path_factory.mktemp(f"loop_{name}"), address, task_dir, LOOP_TIMEOUT_S, TRITON_INTERPRET=interpret
-        )
-        for name, (config, interpret) in plans.items()
-    }
+    plans = {"sfc": SFC, "reinforce": REINFORCE, "ppo_tis": PPO_TIS, "delta": DELTA, "release_train": RELEASE_TRAIN}
+    workdir = tmp_path_factory.mktemp
+    with fork_server.ForkServer(workdir("fork_server") / "server.log", TRITON_INTERPRET=None) as server:
+        observed = {name: server.run(config, workdir(f"loop_{name}"), address, task_dir, LOOP_TIMEOUT_S)
+                    for name, config in plans.items()}  # fmt: skip
+    observed["interpreted"] = slime_loop.run_in_subprocess(
+        INTERPRETED, workdir("loop_interpreted"), address, task_dir, LOOP_TIMEOUT_S, TRITON_INTERPRET="1"
+    )
+    return observed
 
 
 def test_ages_follow_the_pushes_and_the_lag(runs):
