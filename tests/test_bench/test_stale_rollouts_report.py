@@ -5,6 +5,7 @@ table and both charts), and its refusals. The runs themselves are the loop of
 tests/test_slime/test_upstream_slime_loop.py."""
 
 import json
+import threading
 from dataclasses import asdict, replace
 
 import pytest
@@ -403,9 +404,11 @@ def test_reinforce_also_runs_at_sfcs_rate_and_the_extra_arms_at_their_methods_ra
 
 
 def test_workers_share_the_runs_each_on_its_own_core_and_the_records_say_so(tmp_path, monkeypatch):
-    ran = []
+    ran, both_started = [], threading.Barrier(2, timeout=60)
 
     def run_in_subprocess(config, workdir, engine, task_dir, cpu=None, **env):
+        if all(entry[-1] != cpu for entry in ran):  # each worker's first run waits for the other's:
+            both_started.wait()  # an instant fake run would let one worker drain the queue alone
         ran.append((config.method, config.lag, config.seed, engine, cpu))
         return observations(config)
 
