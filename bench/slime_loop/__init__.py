@@ -4,6 +4,7 @@ it through tests/bench_package.py's `import_bench()`):
 
 - `loop`: slime's own train.py, end to end in one process, with the experiment's lag hook; one run
   per fresh process (`python -m bench.slime_loop.loop`, `run_in_subprocess`).
+- `fork_server`: runs in one environment forked from one process that imported slime's stack once.
 - `target_task`: the contextual target-token task (its model, prompts and reward).
 - `sglang_server`: SGLang's real HTTP server on CPU (a test setup, not a way to serve models).
 - `upstream_slime`: slime's source from FUSEDRL_SLIME_SRC, importable, and its argument parsing.
