@@ -46,9 +46,10 @@ def _run_child(request: dict) -> None:
     try:
         workdir = Path(request["workdir"])
         log = os.open(workdir / "loop.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        sys.stdout.flush(), sys.stderr.flush()
+        _flush()
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        os.dup2(log, 1), os.dup2(log, 2)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
         if request["timeout"] is not None:
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             signal.alarm(max(1, int(request["timeout"])))
@@ -61,8 +62,13 @@ def _run_child(request: dict) -> None:
     except BaseException:
         traceback.print_exc()
     finally:
-        sys.stdout.flush(), sys.stderr.flush()
+        _flush()
         os._exit(status)
+
+
+def _flush() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def serve() -> None:
