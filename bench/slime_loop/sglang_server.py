@@ -52,9 +52,8 @@ PROMPT = [11, 402, 77, 981, 5, 630]
 ENABLED_LINE = "fusedrl token samples enabled in process {pid} "
 START_TIMEOUT_S = 420.0
 REQUEST_TIMEOUT_S = 120.0
-# A stopped server's grace before SIGKILL: one that honours SIGTERM exits within about a second; one
-# with extra tokenizer workers (uvicorn's supervisor) never does, and a longer grace only waits.
-STOP_GRACE_S = 5.0
+# How long a stopped (SIGKILLed) server's leader may take to be reaped.
+STOP_WAIT_S = 10.0
 
 # The cu* functions sglang-kernel 0.4.10's libraries link (`nm -D --undefined-only` on
 # sgl_kernel/*.so and sgl_kernel/sm*/common_ops*.so), plus the entry points the CUDA runtime
@@ -320,23 +319,17 @@ class Server:
         return self.process.poll() is None
 
     def stop(self) -> None:
-        """SIGTERM to the process group this server leads, SIGKILL if it lingers."""
-        if self.process.poll() is None:
-            group = self.process.pid  # start_new_session: the group id is the leader's PID
-            for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(group, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.process.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        # Children that outlived the leader still hold the group id.
+        """SIGKILL to the process group this server leads (children that outlived the leader
+        included): the server holds nothing a graceful exit would save, and SGLang's graceful one
+        takes 5 s (its SIGTERM handler sets a flag that a 5-second loop reads; a SIGTERM to the group
+        kills the scheduler first, which the leader takes for a crash and sleeps 5 s over)."""
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            os.killpg(self.process.pid, signal.SIGKILL)  # start_new_session: the group id is the leader's PID
         except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
             pass
         self._log.close()
 
