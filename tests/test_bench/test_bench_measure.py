@@ -148,7 +148,7 @@ def test_timed_path_runs_end_to_end_on_cpu(private_process_group):
 
 
 def test_cpu_run_prints_table_and_writes_results(tmp_path):
-    command = [sys.executable, "-m", "bench", "--device", "cpu", "-T", "8", "40", "-V", "300", "1030",
+    command = [sys.executable, "-m", "bench", "--device", "cpu", "-T", "8", "16", "-V", "300", "1030",
                "--dtype", "fp32", "bf16", "-J", "1", "3", "--entropy", "both", "--results-dir", str(tmp_path)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the command switches it on
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
