@@ -162,7 +162,7 @@ def test_same_inputs_give_bitwise_identical_results(device):
 @pytest.mark.parametrize("rows", [None, list(range(0, 32, 2))])
 def test_one_chunk_of_logits_is_alive_at_a_time(rows, device):
     """Peak allocations of forward and backward, less the returned gradients, stay within one
-    chunk's logits plus per-row bookkeeping: far below the [T, V] logits (4 chunks of 8 rows)."""
+    chunk's logits plus per-row bookkeeping: far below the [T, V] logits (chunks of 8 of 32 rows)."""
     gen = torch.Generator().manual_seed(4)
     num_rows, width, vocab, num_ids, chunk = 32, 16, 1000, 3, 8
     hidden, weight = random_layer(num_rows, width, vocab, torch.float32, gen)
