@@ -10,6 +10,26 @@
 # so a leg can install and run on the second core while the main environment's editable install
 # builds in the checkout on the first (.ci/run). With LEG_STEP=deps it stops after the
 # dependencies (.ci/run installs every leg's first, then runs them).
+#
+#   leg_torch PYTHON
+#
+# (for INSTALL_FUNCTION) gives the venv of PYTHON the legs' torch, LEG_TORCH_SPEC (CPU build), with
+# its dependencies. With LEG_TORCH set (.ci/run) they are installed once into that folder
+# (pip --target) and each leg's venv reads them through a .pth file: every leg pins the same torch,
+# whose unpacking is most of a leg's install (about 17 s of a core each). Without it, into the venv.
+LEG_TORCH_SPEC="torch==2.13.0"
+leg_torch() {
+    local python=$1
+    if [[ -z "${LEG_TORCH:-}" ]]; then
+        "$python" -m pip install -q "$LEG_TORCH_SPEC"
+        return
+    fi
+    if [[ ! -f "$LEG_TORCH/.installed" ]]; then
+        "$python" -m pip install -q --target "$LEG_TORCH" "$LEG_TORCH_SPEC"
+        touch "$LEG_TORCH/.installed"
+    fi
+    "$python" -c 'import sys, sysconfig; print(sys.argv[1], file=open(sysconfig.get_path("purelib") + "/leg-torch.pth", "w"))' "$LEG_TORCH"
+}
 leg_venv() {
     local install=$1
     venv="${LEG_VENV:-$(mktemp -d)/venv}"
