@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--results-dir", type=Path, default=RESULTS, metavar="DIR",
                         help="where the CSV is appended and the PNG written (default: bench/results)")
     parser.add_argument("--static", action="store_true",
-                        help="no timing: the sm_90 static cost model of every kernel variant (CPU, bench/static/__init__.py; --op narrows it; default: off)")
+                        help="no timing: the static cost model of every kernel variant on each --arch (CPU, bench/static/__init__.py; --op narrows it; default: off)")
+    parser.add_argument("--arch", default=",".join(static.ARCHS), metavar="ARCHS",
+                        help=f"with --static: comma-separated archs to compile for (default: {','.join(static.ARCHS)})")
     return parser
 
 
@@ -114,6 +116,10 @@ def parse_args(argv):
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         if os.environ.get("TRITON_INTERPRET") == "1":
             parser.error("argument --device: a GPU run times compiled kernels; unset TRITON_INTERPRET=1")
+    try:
+        args.archs = static.parse_archs(args.arch)
+    except ValueError as error:
+        parser.error(f"argument --arch: {error}")
     if args.results_dir.exists() and not args.results_dir.is_dir():
         parser.error(f"argument --results-dir: {args.results_dir} exists and is not a directory")
     try:  # before any case runs, so that no run's results are lost at the end
@@ -164,7 +170,7 @@ def main(argv=None):
     """Run the benchmark; returns the records (one per case, phase and subject)."""
     args = parse_args(argv)
     if args.static:
-        return static.run(args.results_dir, args.op)
+        return static.run(args.results_dir, args.op, args.archs)
     device = pick_device(args.device)
     gpu = device.type == "cuda"
     _check_temperature(args.temperature)

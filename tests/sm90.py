@@ -16,7 +16,11 @@ from bench.static import Launch, compile_launches, cost, shipped_launches  # noq
 def compile_for_hopper(launches, extra_path=()):
     """Cost-model rows of every kernel the launches start (their modules found on sys.path or in
     `extra_path`); raises RuntimeError with the compiler's message when one fails to compile."""
-    return [cost(record) for record in compile_launches(launches, extra_path=extra_path)]
+    records = compile_launches(launches, extra_path=extra_path)
+    failed = [f"{record['label']}: {record['error']}" for record in records if "error" in record]
+    if failed:
+        raise RuntimeError("compiling for sm_90 failed:\n" + "\n".join(failed))
+    return [cost(record) for record in records]
 
 
 def shipped(prefix: str, keep) -> list:

@@ -1,14 +1,16 @@
-"""`python -m bench --static`: a static Hopper cost model of every kernel variant, on CPU.
+"""`python -m bench --static`: a static cost model of every kernel variant on each GPU arch, on CPU.
 
-Each variant is compiled for sm_90 from the shipped host functions at production shape
-(bench/static/launches.py, bench/static/compile.py) and its SASS read (bench/static/sass.py).
-Reported per kernel: registers, local memory (spills), shared memory, CTAs per SM and occupancy,
-and per element of the main loop: instructions, MUFU (ex2/lg2), barriers and shuffles; the widest
-global load and store; and the ceiling, the bandwidth at which the SM runs out of either
-instruction issue (4 warp-instructions per clock) or its ex2/lg2 unit (16 lanes per clock, a
-quarter warp-instruction per clock), next to the 4.3 TB/s a device-to-device copy reaches on an
-H200. A kernel under that line cannot be memory-bound. Each row names the Triton it was compiled
-with: layouts, and so the counts, differ between versions.
+Each variant is compiled for each asked arch (`--arch`, default every one of bench/static/gpus.py:
+sm_80 A100, sm_90 H200, sm_100 B200, sm_103 B300, sm_120 RTX 5090) from the shipped host
+functions at production shape (bench/static/launches.py, bench/static/compile.py) and its SASS
+read (bench/static/sass.py). Reported per kernel and arch: registers, local memory (spills), shared
+memory, CTAs per SM and occupancy, and per element of the main loop: instructions, MUFU (ex2/lg2),
+barriers and shuffles; the widest global load and store; and the ceiling, the bandwidth at which
+that GPU's SMs run out of either instruction issue (4 warp-instructions per clock) or the ex2/lg2
+unit, next to the device-to-device copy bandwidth of that GPU. A kernel under that line cannot be
+memory-bound there. These are static figures, not timings. Each row names the Triton it was
+compiled with (layouts, and so the counts, differ between versions); an arch the installed Triton
+or its ptxas cannot compile for is listed by name, with the compiler's message.
 """
 
 import collections
@@ -22,20 +24,9 @@ import threading
 from pathlib import Path
 from typing import NamedTuple
 
-# H200 (sm_90): SMs, boost clock, warp-instructions issued per SM per clock, copy bandwidth.
-SMS = 132
-CLOCK_HZ = 1.98e9
-ISSUE_PER_CLOCK = 4
-MUFU_LANES_PER_CLOCK = 16  # the ex2/lg2 unit: 16 lanes per SM per clock (sm_90)
-COPY_TBPS = 4.3
-# Per-SM limits that bound occupancy.
-REGISTERS_PER_SM = 65536
-REGISTER_UNIT = 256  # registers are allocated per warp in units of 256
-MAX_WARPS_PER_SM = 64
-MAX_CTAS_PER_SM = 32
-SHARED_PER_SM = 228 * 1024
-SHARED_RESERVED_PER_CTA = 1024
+from .gpus import ARCHS, GPUS, ISSUE_PER_CLOCK, REGISTER_UNIT, REGISTERS_PER_SM, SHARED_RESERVED_PER_CTA, Gpu, parse_archs
 
+HOPPER = GPUS["sm_90"]
 TOKENS, VOCAB_LOCAL = 16384, 151936  # a 16k-token micro-batch of Qwen's vocabulary at tp = 1
 SCORE_CENTERING_IDS = 129  # slime's --score-centering-top-k 128 head plus the sampled token
 SEGMENT_TOKENS = 16384
@@ -78,10 +69,13 @@ def shipped_launches() -> list:
     return launches
 
 
-def compile_launches(launches, extra_path=()) -> list:
-    """Records of every kernel the launches start, compiled in a fresh process without the
-    interpreter (TRITON_INTERPRET changes what @triton.jit builds at import). The child's progress
-    lines pass through to stderr as they come; its last lines are kept for the error message."""
+def compile_launches(launches, archs=("sm_90",), sass=True, extra_path=()) -> list:
+    """Records of every kernel the launches start, compiled for each of `archs` in a fresh process
+    without the interpreter (TRITON_INTERPRET changes what @triton.jit builds at import); a launch
+    an arch cannot compile gives a record with "error" instead. Without `sass`, a record holds the
+    resource usage only (registers, spills, shared memory), not the loop counts. The child's
+    progress lines pass through to stderr as they come; its last lines are kept for the error
+    message."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *map(str, extra_path), env.get("PYTHONPATH", "")])
@@ -92,13 +86,13 @@ def compile_launches(launches, extra_path=()) -> list:
     tail = collections.deque(maxlen=STDERR_TAIL_LINES)
     relay = threading.Thread(target=_relay_progress, args=(child.stderr, tail), daemon=True)
     relay.start()
-    child.stdin.write(json.dumps([launch._asdict() for launch in launches]))
+    child.stdin.write(json.dumps(dict(archs=list(archs), sass=sass, launches=[launch._asdict() for launch in launches])))
     child.stdin.close()
     output = child.stdout.read()
     child.wait(timeout=COMPILE_TIMEOUT_S)
     relay.join()
     if child.returncode != 0:
-        raise RuntimeError("compiling for sm_90 failed:\n" + "".join(tail))
+        raise RuntimeError(f"compiling for {','.join(archs)} failed:\n" + "".join(tail))
     return json.loads(output)
 
 
@@ -111,12 +105,12 @@ def _relay_progress(stream, tail) -> None:
             tail.append(line)
 
 
-def ctas_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
+def ctas_per_sm(registers: int, num_warps: int, shared_bytes: int, gpu: Gpu = HOPPER) -> int:
     per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
     by_registers = REGISTERS_PER_SM // (per_warp * num_warps)
-    by_warps = MAX_WARPS_PER_SM // num_warps
-    by_shared = SHARED_PER_SM // (shared_bytes + SHARED_RESERVED_PER_CTA)
-    return min(by_registers, by_warps, by_shared, MAX_CTAS_PER_SM)
+    by_warps = gpu.max_warps_per_sm // num_warps
+    by_shared = gpu.shared_per_sm // (shared_bytes + SHARED_RESERVED_PER_CTA)
+    return min(by_registers, by_warps, by_shared, gpu.max_ctas_per_sm)
 
 
 def unrolled_trips(record: dict) -> int:
@@ -133,28 +127,29 @@ def unrolled_trips(record: dict) -> int:
     return max(1, round(loop["widest_loads"] * loop["widest_load"] / per_trip_bits))
 
 
-def ceilings(instructions_per_element: float, mufu_per_element: float, bytes_per_element: float) -> dict:
-    """TB/s at which instruction issue and the ex2/lg2 unit run out, the lower of the two, and
-    which one that is."""
-    lanes = SMS * CLOCK_HZ
-    issue = lanes * ISSUE_PER_CLOCK * 32 / instructions_per_element * bytes_per_element / 1e12
-    mufu = lanes * MUFU_LANES_PER_CLOCK / mufu_per_element * bytes_per_element / 1e12 if mufu_per_element else float("inf")
+def ceilings(instructions_per_element: float, mufu_per_element: float, bytes_per_element: float, gpu: Gpu = HOPPER) -> dict:
+    """TB/s at which `gpu`'s instruction issue and its ex2/lg2 unit run out, the lower of the two,
+    and which one that is."""
+    issue = gpu.sms * gpu.clock_hz * ISSUE_PER_CLOCK * 32 / instructions_per_element * bytes_per_element / 1e12
+    mufu = gpu.ex2_per_second / mufu_per_element * bytes_per_element / 1e12 if mufu_per_element else float("inf")
     return dict(issue_tbps=issue, mufu_tbps=mufu, ceiling_tbps=min(issue, mufu), bound="issue" if issue <= mufu else "ex2")
 
 
 def cost(record: dict) -> dict:
-    """One table row: the model's figures for one compiled kernel."""
-    resources, loop = record["resources"], record["loop"]
+    """One table row: the model's figures for one kernel compiled for one arch (with its SASS)."""
+    resources, loop, gpu = record["resources"], record["loop"], GPUS[record["arch"]]
     per_thread = record["block_elements"] / (32 * record["num_warps"]) * unrolled_trips(record)
     shared = max(resources["shared"], record["dynamic_shared"])
-    ctas = ctas_per_sm(resources["registers"], record["num_warps"], shared)
+    ctas = ctas_per_sm(resources["registers"], record["num_warps"], shared, gpu)
     per_element = loop["instructions"] / per_thread
     mufu_per_element = loop["mufu"] / per_thread
     bytes_per_element = (loop["load_bits"] + loop["store_bits"]) / 8 / per_thread
-    bounds = ceilings(per_element, mufu_per_element, bytes_per_element)
+    bounds = ceilings(per_element, mufu_per_element, bytes_per_element, gpu)
     op, phase = (record["label"].split() + ["", ""])[:2]  # "token_stats forward bf16 ..."
     return dict(
         variant=record["label"],
+        arch=record["arch"],
+        gpu=gpu.name,
         kernel=record["kernel"],
         triton=record["triton"],
         op=op,
@@ -167,7 +162,7 @@ def cost(record: dict) -> dict:
         spill_instructions=loop["local_accesses"],
         shared_bytes=shared,
         ctas_per_sm=ctas,
-        occupancy=ctas * record["num_warps"] / MAX_WARPS_PER_SM,
+        occupancy=ctas * record["num_warps"] / gpu.max_warps_per_sm,
         loop=loop["found_loop"],
         unrolled=unrolled_trips(record),
         elements_per_thread=per_thread,
@@ -179,35 +174,52 @@ def cost(record: dict) -> dict:
         widest_store_bits=loop["widest_store"],
         bytes_per_element=bytes_per_element,
         **bounds,
-        ceiling_over_copy=bounds["ceiling_tbps"] / COPY_TBPS,
+        copy_tbps=gpu.copy_tbps,
+        ceiling_over_copy=bounds["ceiling_tbps"] / gpu.copy_tbps,
         loop_instructions=";".join(map(str, record["loop_sizes"])),  # per trip of each loop, in address order
     )
 
 
 COLUMNS = [
-    ("variant", "{}", 46), ("kernel", "{}", 30), ("registers", "{}", 4), ("local_bytes", "{}", 7),
+    ("variant", "{}", 46), ("arch", "{}", 6), ("kernel", "{}", 30), ("registers", "{}", 4), ("local_bytes", "{}", 7),
     ("occupancy", "{:.1%}", 6), ("instructions_per_element", "{:.1f}", 5), ("mufu_per_element", "{:.2f}", 7),
     ("barriers_per_element", "{:.3f}", 6), ("shuffles_per_element", "{:.2f}", 7),
-    ("widest_load_bits", "{}", 7), ("widest_store_bits", "{}", 7), ("ceiling_tbps", "{:.2f}", 6), ("bound", "{}", 5),
+    ("widest_load_bits", "{}", 7), ("widest_store_bits", "{}", 7), ("ceiling_tbps", "{:.2f}", 6),
+    ("ceiling_over_copy", "{:.2f}", 6), ("bound", "{}", 5),
 ]  # fmt: skip
-HEADERS = ["variant", "kernel", "regs", "local B", "occup", "ins/el", "mufu/el", "bar/el", "shfl/el", "ld bits", "st bits",
-           "TB/s", "bound"]
+HEADERS = ["variant", "arch", "kernel", "regs", "local B", "occup", "ins/el", "mufu/el", "bar/el", "shfl/el", "ld bits",
+           "st bits", "TB/s", "/copy", "bound"]  # fmt: skip
+LEFT_ALIGNED = 3  # variant, arch, kernel
+
+
+def _line(cells) -> str:
+    return "  ".join(f"{cell:<{w}}" if i < LEFT_ALIGNED else f"{cell:>{w}}" for i, (cell, (_, _, w)) in enumerate(zip(cells, COLUMNS)))
+
+
+def gpu_lines(archs) -> list:
+    """One line per arch: the GPU its rows are read against, the figures and where they come from."""
+    lines = []
+    for arch in archs:
+        gpu = GPUS[arch]
+        copy = "measured" if gpu.copy_measured else "assumed at the H200's measured share of the specification"
+        lines.append(f"{arch}: {gpu.name}, {gpu.sms} SMs x {gpu.clock_hz / 1e9:.2f} GHz, ex2 {gpu.ex2_lanes_per_clock} "
+                     f"lanes/clock, {gpu.memory_tbps} TB/s memory, copy {gpu.copy_tbps} TB/s ({copy}); {gpu.source}")  # fmt: skip
+    return lines
 
 
 def table(rows) -> str:
-    """Fixed-width text table of the model's rows, with the copy line it is compared to."""
-    lines = ["  ".join(f"{head:>{width}}" if i > 1 else f"{head:<{width}}" for i, (head, (_, _, width)) in enumerate(zip(HEADERS, COLUMNS)))]
-    for row in rows:
-        cells = [fmt.format(row[key]) for key, fmt, _ in COLUMNS]
-        lines.append("  ".join(f"{cell:>{w}}" if i > 1 else f"{cell:<{w}}" for i, (cell, (_, _, w)) in enumerate(zip(cells, COLUMNS))))
+    """Fixed-width text table of the model's rows, with the GPUs and copy lines they are read against."""
+    lines = [_line(HEADERS)] + [_line([fmt.format(row[key]) for key, fmt, _ in COLUMNS]) for row in rows]
     versions = sorted({row["triton"] for row in rows})
     lines += [
-        "regs: registers per thread; local B: local-memory (spill) bytes per thread; occup: resident warps of the 64 an SM holds",
+        "static figures from the SASS, not timings. regs: registers per thread; local B: local-memory (spill) bytes per "
+        "thread; occup: resident warps of those an SM holds",
         "per element of the main loop: ins/el instructions, mufu/el ex2/lg2 operations, bar/el barriers, shfl/el shuffles",
         "ld bits / st bits: the widest global load / store, in bits per thread (128: 16-byte vector access; 0: none)",
-        f"TB/s: the ceiling, the lower of instruction issue ({ISSUE_PER_CLOCK} warp-instructions/clock) and the ex2 unit "
-        f"({MUFU_LANES_PER_CLOCK} lanes/clock), {SMS} SMs x {CLOCK_HZ / 1e9:.2f} GHz, vs {COPY_TBPS} TB/s device-to-device "
-        f"copy on an H200; bound: which of the two sets it; triton {', '.join(versions)}",
+        f"TB/s: the ceiling, the lower of instruction issue ({ISSUE_PER_CLOCK} warp-instructions/clock per SM) and the ex2 "
+        "unit of the arch's GPU; /copy: the ceiling over that GPU's device-to-device copy (under 1: cannot be "
+        f"memory-bound there); bound: which of the two sets it; triton {', '.join(versions)}",
+        *gpu_lines(dict.fromkeys(row["arch"] for row in rows)),
     ]  # fmt: skip
     return "\n".join(lines)
 
@@ -220,11 +232,20 @@ def write_csv(rows, path: Path) -> None:
         writer.writerows(rows)
 
 
-def run(results_dir: Path, ops=("token_stats", "segment_sum")) -> list:
-    """Compile every shipped variant of `ops`, print the table, write results_dir/static.csv."""
+def run(results_dir: Path, ops=("token_stats", "segment_sum"), archs=ARCHS) -> list:
+    """Compile every shipped variant of `ops` for each of `archs`, print the table, write
+    results_dir/static.csv; then name each variant and arch that did not compile, with the
+    compiler's message, and exit non-zero if there is one."""
     launches = [launch for launch in shipped_launches() if launch.label.split()[0] in ops]
-    rows = [cost(record) for record in compile_launches(launches)]
-    print(table(rows))
-    write_csv(rows, results_dir / "static.csv")
-    print(f"wrote {results_dir / 'static.csv'}")
+    records = compile_launches(launches, archs)
+    failed = [record for record in records if "error" in record]
+    rows = [cost(record) for record in records if "error" not in record]
+    if rows:
+        print(table(rows))
+        write_csv(rows, results_dir / "static.csv")
+        print(f"wrote {results_dir / 'static.csv'}")
+    for record in failed:
+        print(f"not compiled: {record['label']} for {record['arch']}: {record['error']}")
+    if failed:
+        raise SystemExit(f"python -m bench --static: {len(failed)} variant(s) did not compile (listed above)")
     return rows

@@ -1,10 +1,12 @@
-"""Child process of `--static`: compile launches for sm_90 through Triton's own launch path.
+"""Child process of `--static`: compile launches for each asked arch through Triton's own launch path.
 
-Run as `python -m bench.static.compile` with TRITON_INTERPRET unset and a JSON list of launches
-({"label", "call": "module:function", "kwargs"}) on stdin; prints a JSON list with one record per
-kernel launched. No GPU is needed: a stand-in driver answers "sm_90" to Triton's device queries,
-and `JITFunction.run` is made to compile (warmup) instead of launch, so the binder specialises the
-real arguments exactly as a launch would.
+Run as `python -m bench.static.compile` with TRITON_INTERPRET unset and a JSON object on stdin:
+"archs" (e.g. ["sm_80", "sm_90"]), "sass" (read the SASS, or only the resource usage) and
+"launches" ({"label", "call": "module:function", "kwargs"}); prints a JSON list with one record per
+kernel launched and arch, or per launch and arch that failed to compile ({"label", "arch",
+"error"}: the arch named, not skipped). No GPU is needed: a stand-in driver answers each arch in
+turn to Triton's device queries, and `JITFunction.run` is made to compile (warmup) instead of
+launch, so the binder specialises the real arguments exactly as a launch would.
 """
 
 import importlib
@@ -27,17 +29,21 @@ from .sass import count_main_loop, loop_sizes, parse_resources, parse_sass
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-class _Hopper:
-    """Answers Triton's device queries as one sm_90 GPU would; launches nothing."""
+class _TargetGpu:
+    """Answers Triton's device queries as one GPU of `capability` would; launches nothing. The
+    device index is the capability, so Triton's per-device binders (each made for the target
+    current at its creation) never serve one arch's kernels to another."""
+
+    capability = 90
 
     def get_current_device(self):
-        return 0
+        return self.capability
 
     def get_current_stream(self, device=None):
         return 0
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.capability, 32)
 
 
 def _capture_launches(into: list):
@@ -61,16 +67,15 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
     return done.stdout
 
 
-def _record(label, name, num_warps, constexprs, stream_bits, kernel) -> dict:
+def _record(label, arch, sass, name, num_warps, constexprs, stream_bits, kernel) -> dict:
     cubin = kernel.asm["cubin"]
     resources = parse_resources(_cuobjdump(cubin, "-res-usage"))
-    instructions = parse_sass(_cuobjdump(cubin, "-sass"))
-    counts = count_main_loop(instructions)
     blocks = [int(value) for key, value in constexprs.items() if key.startswith("BLOCK")]
     if not blocks:
         raise ValueError(f"{name}: no BLOCK* constexpr, so the elements one trip streams are unknown")
-    return dict(
+    record = dict(
         label=label,
+        arch=arch,
         kernel=name,
         num_warps=num_warps,
         block_elements=math.prod(blocks),
@@ -79,28 +84,45 @@ def _record(label, name, num_warps, constexprs, stream_bits, kernel) -> dict:
         constexprs={key: value if isinstance(value, (bool, int)) else str(value) for key, value in constexprs.items()},
         dynamic_shared=int(kernel.metadata.shared),
         resources=resources._asdict(),
-        loop=counts._asdict(),
-        loop_sizes=loop_sizes(instructions),
     )
+    if sass:  # the disassembly is most of a record's time: the spill check needs only the resources
+        instructions = parse_sass(_cuobjdump(cubin, "-sass"))
+        record.update(loop=count_main_loop(instructions)._asdict(), loop_sizes=loop_sizes(instructions))
+    return record
+
+
+def _compile(launch: dict, arch: str, sass: bool, target: _TargetGpu, captured: list) -> list:
+    """Records of the kernels `launch` starts, compiled for `arch`; one error record if Triton or
+    ptxas cannot compile it for that arch."""
+    module, function = launch["call"].split(":")
+    target.capability = int(arch.removeprefix("sm_"))
+    captured.clear()
+    try:
+        getattr(importlib.import_module(module), function)(**launch["kwargs"])
+    except Exception as error:  # Triton's or ptxas's refusal of this arch: reported by name, the run goes on
+        message = (str(error).strip().splitlines() or [""])[-1]
+        return [dict(label=launch["label"], arch=arch, error=f"{type(error).__name__}: {message}"[:500])]
+    return [dict(_record(launch["label"], arch, sass, *entry), kwargs=launch["kwargs"]) for entry in captured]
 
 
 def main():
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("bench.static.compile needs TRITON_INTERPRET unset (it compiles, not interprets)")
-    driver.set_active(_Hopper())
+    results, sys.stdout = sys.stdout, sys.stderr  # Triton prints ptxas's refusals: they must not mix with the JSON
+    target = _TargetGpu()
+    driver.set_active(target)
     records, captured = [], []
     _capture_launches(captured)
-    launches = json.loads(sys.stdin.read())
+    job = json.loads(sys.stdin.read())
+    launches, archs = job["launches"], job["archs"]
     started = time.perf_counter()
     for number, launch in enumerate(launches, 1):
-        module, function = launch["call"].split(":")
-        getattr(importlib.import_module(module), function)(**launch["kwargs"])
-        records += [dict(_record(launch["label"], *entry), kwargs=launch["kwargs"]) for entry in captured]
-        captured.clear()
+        for arch in archs:
+            records += _compile(launch, arch, job["sass"], target, captured)
         elapsed = time.perf_counter() - started
-        print(f"[{number}/{len(launches)}] compiled {launch['label']} for sm_90; {elapsed:.0f} s elapsed",
+        print(f"[{number}/{len(launches)}] compiled {launch['label']} for {','.join(archs)}; {elapsed:.0f} s elapsed",
               file=sys.stderr, flush=True)  # fmt: skip
-    json.dump(records, sys.stdout)
+    json.dump(records, results)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ from bench.report import figure  # noqa: E402
         (["--temperature", "warm"], "--temperature", "must be a number > 0, got 'warm'"),
         (["--dtype", "fp64"], "--dtype", "invalid choice: 'fp64'"),
         (["--entropy", "yes"], "--entropy", "invalid choice: 'yes'"),
+        (["--static", "--arch", "sm_70"], "--arch", "unknown arch sm_70; choose from sm_80,sm_90,sm_100,sm_103,sm_120"),
+        (["--static", "--arch", ","], "--arch", "unknown arch ','"),
     ],
 )
 def test_bad_values_are_usage_errors_naming_the_option(capsys, argv, option, problem):

@@ -1,5 +1,6 @@
 """The static cost model (`python -m bench --static`) finds the loop and counts it right: on a
-SASS snippet written by hand, and on hand-written kernels compiled for sm_90."""
+SASS snippet written by hand, and on hand-written kernels compiled for sm_90 (and for every arch of
+bench/static/gpus.py: each read against its own GPU, an arch the compiler refuses named)."""
 
 import subprocess
 from pathlib import Path
@@ -7,7 +8,8 @@ from pathlib import Path
 import pytest
 from sm90 import Launch, compile_for_hopper
 
-from bench.static import COPY_TBPS, ceilings, ctas_per_sm, table
+from bench.static import HOPPER, compile_launches, ceilings, cost, ctas_per_sm, table
+from bench.static.gpus import ARCHS, GPUS
 from bench.static.join import beside_measured
 from bench.static.sass import access_bits, count_main_loop, loop_sizes, loops, parse_resources, parse_sass
 
@@ -73,6 +75,32 @@ def test_occupancy_from_registers_warps_and_shared_memory():
     assert ctas_per_sm(32, 8, 100 * 1024) == 2
 
 
+def test_occupancy_and_ceilings_read_each_arch_against_its_own_gpu():
+    assert ctas_per_sm(32, 8, 0, GPUS["sm_120"]) == 6  # 48 warps an SM on sm_120
+    assert ctas_per_sm(32, 8, 100 * 1024, GPUS["sm_80"]) == 1  # 164 KB of shared memory on sm_80
+    # Blackwell Ultra's ex2 unit is twice Blackwell's per SM and clock
+    b200, b300 = (ceilings(2.0, 1.0, 4.0, GPUS[arch])["mufu_tbps"] for arch in ("sm_100", "sm_103"))
+    assert b200 == pytest.approx(5.0e12 * 4 / 1e12, rel=0.01)  # 5 TeraExponentials/s, 4 bytes each
+    assert b300 == pytest.approx(10.7e12 * 4 / 1e12, rel=0.01)
+    for gpu in GPUS.values():
+        assert gpu.copy_tbps <= gpu.memory_tbps and gpu.source
+
+
+def test_the_copy_kernel_compiles_for_every_arch_and_an_unknown_one_is_named():
+    """Each arch's row is its own compile (its own binder: no arch is served another's cubin); a
+    target ptxas does not know gives an error record naming it, and the other archs still compile."""
+    launch = Launch("copy", "static_kernels:launch_copy", {})
+    records = compile_launches([launch], archs=(*ARCHS, "sm_990"), extra_path=[HERE])
+    failed = [record for record in records if "error" in record]
+    assert [(record["label"], record["arch"]) for record in failed] == [("copy", "sm_990")]
+    rows = [cost(record) for record in records if "error" not in record]
+    assert [row["arch"] for row in rows] == list(ARCHS)
+    for row in rows:
+        assert row["local_bytes"] == 0 and row["widest_load_bits"] == row["widest_store_bits"] == 128
+        assert row["ceiling_over_copy"] > 1 and row["gpu"] == GPUS[row["arch"]].name
+    assert len({row["loop_instructions"] + str(row["registers"]) for row in rows}) > 1  # not one cubin five times
+
+
 def test_ceiling_is_the_lower_of_issue_and_the_ex2_unit():
     lanes = 132 * 1.98e9
     # 2 instructions and 1 ex2 per 4-byte element: the ex2 unit (16 lanes/clock) runs out first
@@ -105,7 +133,7 @@ def test_copy_kernel_is_two_128_bit_loads_and_stores_per_trip(compiled):
     assert copy["bytes_per_element"] == 8  # 4 read + 4 written
     assert copy["mufu_per_element"] == copy["barriers_per_element"] == copy["shuffles_per_element"] == 0
     assert copy["instructions_per_element"] < 2  # 2 loads, 2 stores, address and loop arithmetic
-    assert copy["ceiling_tbps"] > 3 * COPY_TBPS
+    assert copy["ceiling_tbps"] > 3 * HOPPER.copy_tbps
 
 
 def test_elements_per_trip_come_from_the_launched_tile(compiled):
@@ -161,10 +189,11 @@ def test_compiling_reports_progress_on_stderr(capfd):
 
 
 def test_table_legend_gives_every_abbreviated_column_its_unit():
-    row = dict(variant="v", kernel="k", triton="3.8.0", registers=32, local_bytes=0, occupancy=1.0,
+    row = dict(variant="v", arch="sm_90", kernel="k", triton="3.8.0", ceiling_over_copy=2.0, registers=32, local_bytes=0, occupancy=1.0,
                instructions_per_element=2.0, mufu_per_element=1.0, barriers_per_element=0.0,
                shuffles_per_element=0.0, widest_load_bits=128, widest_store_bits=0, ceiling_tbps=9.0, bound="issue")  # fmt: skip
     text = table([row])
     for column in ("local B", "ld bits", "st bits", "mufu/el", "ins/el"):
         assert column in text.splitlines()[0]
     assert "bits per thread" in text and "spill) bytes per thread" in text
+    assert "not timings" in text and "sm_90: H200 SXM, 132 SMs" in text
