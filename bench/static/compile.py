@@ -4,7 +4,8 @@ Run as `python -m bench.static.compile` with TRITON_INTERPRET unset and a JSON o
 "archs" (e.g. ["sm_80", "sm_90"]), "sass" (read the SASS, or only the resource usage) and
 "launches" ({"label", "call": "module:function", "kwargs"}); prints a JSON list with one record per
 kernel launched and arch, or per launch and arch that failed to compile ({"label", "arch",
-"error"}: the arch named, not skipped). No GPU is needed: a stand-in driver answers each arch in
+"error"}: the arch named, not skipped; Triton 3.6's bundled nvdisasm, for one, compiles sm_103
+but cannot read its SASS). No GPU is needed: a stand-in driver answers each arch in
 turn to Triton's device queries, and `JITFunction.run` is made to compile (warmup) instead of
 launch, so the binder specialises the real arguments exactly as a launch would.
 """
@@ -102,7 +103,11 @@ def _compile(launch: dict, arch: str, sass: bool, target: _TargetGpu, captured: 
     except Exception as error:  # Triton's or ptxas's refusal of this arch: reported by name, the run goes on
         message = (str(error).strip().splitlines() or [""])[-1]
         return [dict(label=launch["label"], arch=arch, error=f"{type(error).__name__}: {message}"[:500])]
-    return [dict(_record(launch["label"], arch, sass, *entry), kwargs=launch["kwargs"]) for entry in captured]
+    try:
+        return [dict(_record(launch["label"], arch, sass, *entry), kwargs=launch["kwargs"]) for entry in captured]
+    except subprocess.CalledProcessError as error:  # compiled, but the bundled tools cannot read this arch's SASS
+        message = (error.stderr.strip().splitlines() or [""])[-1]
+        return [dict(label=launch["label"], arch=arch, error=f"{Path(error.cmd[0]).name} {error.cmd[1]}: {message}"[:500])]
 
 
 def main():

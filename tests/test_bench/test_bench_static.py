@@ -88,13 +88,18 @@ def test_occupancy_and_ceilings_read_each_arch_against_its_own_gpu():
 
 def test_the_copy_kernel_compiles_for_every_arch_and_an_unknown_one_is_named():
     """Each arch's row is its own compile (its own binder: no arch is served another's cubin); a
-    target ptxas does not know gives an error record naming it, and the other archs still compile."""
+    target ptxas does not know gives an error record naming it, and the other archs still compile.
+    An arch whose SASS the Triton's bundled disassembler cannot read (sm_103 on Triton 3.6) is named
+    the same way, with the tool's message."""
     launch = Launch("copy", "static_kernels:launch_copy", {})
     records = compile_launches([launch], archs=(*ARCHS, "sm_990"), extra_path=[HERE])
-    failed = [record for record in records if "error" in record]
-    assert [(record["label"], record["arch"]) for record in failed] == [("copy", "sm_990")]
+    failed = {record["arch"]: record["error"] for record in records if "error" in record}
+    assert "sm_990" in failed and all(record["label"] == "copy" for record in records)
+    unreadable = {arch for arch, error in failed.items() if arch != "sm_990"}
+    assert all("Cannot decode architecture" in failed[arch] for arch in unreadable), failed
     rows = [cost(record) for record in records if "error" not in record]
-    assert [row["arch"] for row in rows] == list(ARCHS)
+    assert [row["arch"] for row in rows] == [arch for arch in ARCHS if arch not in unreadable]
+    assert unreadable <= {"sm_103"}
     for row in rows:
         assert row["local_bytes"] == 0 and row["widest_load_bits"] == row["widest_store_bits"] == 128
         assert row["ceiling_over_copy"] > 1 and row["gpu"] == GPUS[row["arch"]].name
