@@ -234,8 +234,8 @@ def write_csv(rows, path: Path) -> None:
 
 def run(results_dir: Path, ops=("token_stats", "segment_sum"), archs=ARCHS) -> list:
     """Compile every shipped variant of `ops` for each of `archs`, print the table, write
-    results_dir/static.csv; then name each variant and arch that did not compile, with the
-    compiler's message, and exit non-zero if there is one."""
+    results_dir/static.csv; then name each variant and arch that did not compile (or whose SASS
+    the bundled tools cannot read), with the tool's message, and exit non-zero if there is one."""
     launches = [launch for launch in shipped_launches() if launch.label.split()[0] in ops]
     records = compile_launches(launches, archs)
     failed = [record for record in records if "error" in record]
@@ -245,7 +245,7 @@ def run(results_dir: Path, ops=("token_stats", "segment_sum"), archs=ARCHS) -> l
         write_csv(rows, results_dir / "static.csv")
         print(f"wrote {results_dir / 'static.csv'}")
     for record in failed:
-        print(f"not compiled: {record['label']} for {record['arch']}: {record['error']}")
+        print(f"no row: {record['label']} for {record['arch']}: {record['error']}")
     if failed:
-        raise SystemExit(f"python -m bench --static: {len(failed)} variant(s) did not compile (listed above)")
+        raise SystemExit(f"python -m bench --static: {len(failed)} variant-arch pair(s) not compiled or not readable (listed above)")
     return rows
