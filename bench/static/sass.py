@@ -1,6 +1,6 @@
 """Reading Hopper SASS: the main loop of a kernel and what one trip through it issues.
 
-Pure text functions over `cuobjdump -sass` and `cuobjdump -res-usage` output, so the cost model's
+Pure text functions over `nvdisasm -c` (or `cuobjdump -sass`) and `cuobjdump -res-usage` output, so the cost model's
 counting can be tested on hand-written kernels without a GPU. A loop is the address range of a
 backward branch; the main loop is the one whose global accesses are the widest, the longest of
 those if several (inner loops inside it are counted once per trip, as written). The compiler may
@@ -15,6 +15,8 @@ from typing import NamedTuple, Optional
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
+_LABEL = re.compile(r"^(\.L_x_\d+):\s*\n\s*/\*([0-9a-f]{4,})\*/", re.MULTILINE)
+_LABEL_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _WIDTHS = {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}
 
@@ -49,8 +51,14 @@ class LoopCounts(NamedTuple):
 
 
 def parse_sass(text: str) -> list:
-    """Every instruction of a single-kernel SASS listing, in address order, NOPs left out."""
-    found = [Instruction(int(m.group(1), 16), m.group(2), m.group(3)) for m in _INSTRUCTION.finditer(text)]
+    """Every instruction of a single-kernel SASS listing, in address order, NOPs left out. Branch
+    targets are addresses: nvdisasm's labels (`.L_x_3:` before an instruction, `(.L_x_3) as a
+    target) are replaced by the address of the instruction they mark."""
+    addresses = {m.group(1): m.group(2) for m in _LABEL.finditer(text)}
+    found = [
+        Instruction(int(m.group(1), 16), m.group(2), _LABEL_TARGET.sub(lambda t: "0x" + addresses[t.group(1)], m.group(3)))
+        for m in _INSTRUCTION.finditer(text)
+    ]
     return [inst for inst in found if inst.opcode != "NOP"]
 
 

@@ -44,6 +44,26 @@ def test_sass_snippet_counts():
         parse_resources("garbage")
 
 
+# nvdisasm's form of the snippet's loop: label targets, no encodings.
+NVDISASM_SNIPPET = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0020*/              @!P0 LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0030*/                   MUFU.EX2 R5, R4 ;
+        /*0040*/               @P1 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0050*/                   EXIT ;
+"""
+
+
+def test_nvdisasm_labels_become_the_addresses_they_mark():
+    instructions = parse_sass(NVDISASM_SNIPPET)
+    assert [i.operands.strip() for i in instructions if i.opcode == "BRA"] == ["0x0050", "0x0020"]
+    assert loops(instructions) == [(0x20, 0x40)]
+    assert count_main_loop(instructions).instructions == 3
+
+
 # A longer loop of 64-bit loads (the backward's repeated-id matching) before the streamed loop of
 # 128-bit loads and stores: the main loop is the streamed one.
 TWO_LOOPS = """
