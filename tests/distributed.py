@@ -179,7 +179,7 @@ def _worker(rank, world_size, init_file, sizes, megatron, tasks, results):
 
 # What every worker imports, loaded once in the fork server (installed modules only: Python 3.11's
 # fork server does not take the test process's sys.path for its preload).
-WORKER_IMPORTS = ["torch", "torch.distributed", "megatron.core.parallel_state", "fusedrl.kernels", "sglang.srt.server_args"]
+WORKER_IMPORTS = ["torch", "torch.distributed", "megatron.core.parallel_state", "fusedrl.kernels"]
 
 
 def _fork_server():
