@@ -1,4 +1,5 @@
-"""Fused Triton kernels for policy-gradient losses: per-token statistics and segmented sums."""
+"""Fused Triton kernels for policy-gradient losses (per-token statistics, segmented sums) and the
+rollout side's K draws per row."""
 
 import importlib
 import sys
@@ -30,8 +31,14 @@ else:
     from ._contract import TEMPERATURE_RANGE, TokenStats
     from .linear_token_loss import LinearTokenLoss, linear_token_loss
     from .linear_token_stats import linear_token_stats
-    from .reference import segment_sum_reference, token_logprobs_reference, token_stats_reference
+    from .reference import (
+        segment_sum_reference,
+        token_draws_reference,
+        token_logprobs_reference,
+        token_stats_reference,
+    )
     from .segment_sum import segment_sum
+    from .token_draws import token_draws
     from .token_stats import token_logprobs, token_stats
 
 __all__ = [
@@ -42,6 +49,8 @@ __all__ = [
     "segment_sum",
     "segment_sum_reference",
     "TokenStats",
+    "token_draws",
+    "token_draws_reference",
     "token_stats",
     "token_logprobs",
     "token_stats_reference",

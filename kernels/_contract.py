@@ -1,4 +1,4 @@
-"""The input contracts of both ops, shared by each kernel and its eager reference.
+"""The input contracts of the ops, shared by each kernel and its eager reference.
 
 Each entry point and its reference accept the same arguments and reject the same bad input with
 the same message, so the checks (and token_stats' result type) live here once, in one style: every
@@ -243,3 +243,42 @@ def _check_values(mask, segment_ids, original_denominators, accumulate: torch.dt
                 f"normal, the dtype the sums accumulate in), got denominators[{i}] = "
                 f"{float(original_denominators[i])!r}"
             )
+
+
+class TokenDrawsInputs(NamedTuple):
+    """Validated arguments of token_draws: the rows to draw from and their uniforms."""
+
+    logprobs: torch.Tensor  # [B, V], unit stride along V
+    uniforms: torch.Tensor  # [n, K] float64, contiguous
+    rows: torch.Tensor  # [n] int64
+
+
+def check_token_draws_inputs(logprobs, uniforms, rows, validate: bool) -> TokenDrawsInputs:
+    """Shapes, dtypes and devices always; with `validate`, uniforms in (0, 1) and the rows' values
+    (host syncs). A logprobs tensor strided along V is copied once to a unit stride."""
+    _check_tensor("logprobs", logprobs, 2)
+    _check_tensor("uniforms", uniforms, 2)
+    if logprobs.dtype not in REFERENCE_DTYPES:
+        raise ValueError(f"logprobs must be one of {REFERENCE_DTYPES}, got {logprobs.dtype}")
+    if not uniforms.dtype.is_floating_point:
+        raise ValueError(f"uniforms must be a floating tensor, got {uniforms.dtype}")
+    if uniforms.device != logprobs.device:
+        raise ValueError(f"uniforms are on {uniforms.device} but logprobs on {logprobs.device}")
+    if logprobs.shape[1] == 0:
+        raise ValueError(f"logprobs must have at least one column, got shape {tuple(logprobs.shape)}")
+    if rows is None:
+        rows = torch.arange(logprobs.shape[0], device=logprobs.device)
+    rows = _check_rows(rows, logprobs.shape[0], logprobs.device, validate)
+    if uniforms.shape[0] != rows.numel():
+        raise ValueError(
+            f"uniforms must have one row per drawn row ({rows.numel()}), got shape {tuple(uniforms.shape)}"
+        )
+    uniforms = uniforms.to(torch.float64).contiguous()
+    if validate and uniforms.numel() > 0 and values_readable(uniforms):
+        bad = ~((uniforms > 0) & (uniforms < 1))
+        if bool(bad.any()):
+            i, j = _first_bad(bad)
+            raise ValueError(f"uniforms must lie in (0, 1), got uniforms[{i}, {j}] = {float(uniforms[i, j])}")
+    if logprobs.stride(1) != 1:
+        logprobs = logprobs.contiguous()
+    return TokenDrawsInputs(logprobs, uniforms, rows)

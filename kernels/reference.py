@@ -88,3 +88,23 @@ def segment_sum_reference(values, mask, segment_ids, denominators):
     per_segment = per_segment.index_add(0, segment_ids.long(), masked)
     total = (per_segment / denominators.double().unsqueeze(1)).sum(dim=0)
     return total.reshape(values.shape[1:]).to(out_dtype)
+
+
+def token_draws_reference(logprobs, uniforms, rows, logprobs_are_probs=False):
+    """Same ids as `fusedrl.kernels.token_draws` on checked inputs (`rows` an index tensor),
+    computed the plain way: fp32 probabilities, their float64 cumulative sum over the whole row,
+    and a search for each uniform times the total (strictly below it, so no draw runs past the
+    last token with mass). A row without a finite, positive total raises ValueError."""
+    selected = logprobs.index_select(0, rows).float()
+    weights = selected if logprobs_are_probs else selected.exp()
+    cdf = torch.cumsum(weights.double(), dim=1)
+    total = cdf[:, -1:]
+    bad = ~((total > 0) & (total < float("inf")))
+    if bool(bad.any()):
+        row = int(rows[int(torch.nonzero(bad[:, 0])[0])])
+        raise ValueError(
+            f"logprobs row {row} has no finite, positive probability mass to draw from "
+            "(every entry -inf, or a NaN or +inf)"
+        )
+    targets = torch.minimum(uniforms.double() * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, targets, right=True).clamp_(max=logprobs.shape[1] - 1)

@@ -6,14 +6,18 @@ asked for `K > 0` top-logprobs this module returns, instead of the top-K, the sa
 followed by `K` independent draws from `p`, each paired with its log-probability.
 
 Randomness, vectorised over the batch:
-- Rows without a sampling seed (SGLang sets seeds only under deterministic inference) draw with
-  one `torch.multinomial(p_rows, K_max, replacement=True)` call on the global generator, the
-  same generator SGLang's own unseeded sampling uses.
+- Rows without a sampling seed (SGLang sets seeds only under deterministic inference) draw from
+  the global generator, the one SGLang's own unseeded sampling uses.
 - Seeded rows must be reproducible per request whatever else shares the batch, which one
   `torch.Generator` per call cannot give. They invert the CDF at counter-based uniforms: a
   murmur3 hash of (seed, position, stream) as in SGLang's `multinomial_with_seed`, with streams
   numbered from the vocabulary size up, so they never reuse the hash inputs SGLang spent on the
   sampled token. A row's draws depend only on its seed, its position and the distribution.
+
+Two paths, the same draws for the same uniforms: on CUDA the fused kernel `fusedrl.kernels.token_draws` inverts the CDF reading each row once, with no `[B, V]`
+buffer, at uniforms from the global generator or the hash; on CPU the torch path, one
+`torch.multinomial` call for unseeded rows and the float64 reference inverse CDF
+(`token_draws_reference`) for seeded ones.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from fusedrl.kernels import token_draws, token_draws_reference
 
 _MASK32 = 0xFFFFFFFF
 _TWO_POW_53 = float(2**53)
@@ -56,19 +62,13 @@ def draw_token_samples(
         return values, ids
 
     row_index = torch.tensor(rows, dtype=torch.long, device=logprobs.device)
-    selected = logprobs if len(rows) == batch else logprobs.index_select(0, row_index)
-    # fp32 weights: multinomial and the CDF need no more, and bf16 logprobs (RL on-policy mode)
-    # would round the probabilities of the tail.
-    weights = selected.float() if logprobs_are_probs else selected.float().exp()
     max_k = max(num_samples)
-    if seeds is None:
-        draws = torch.multinomial(weights, max_k, replacement=True)
+    if _runs_the_kernel(logprobs):
+        draws = _kernel_draws(logprobs, row_index, max_k, seeds, positions, logprobs_are_probs)
+        row_ids = torch.cat([sampled_ids.index_select(0, row_index).long().unsqueeze(1), draws], dim=1)
+        row_values = logprobs[row_index.unsqueeze(1), row_ids]
     else:
-        draws = _seeded_draws(weights, seeds[row_index], positions[row_index], max_k)
-
-    chosen = sampled_ids.index_select(0, row_index).long().unsqueeze(1)
-    row_ids = torch.cat([chosen, draws], dim=1)
-    row_values = selected.gather(1, row_ids)
+        row_ids, row_values = _torch_path(logprobs, sampled_ids, row_index, max_k, seeds, positions, logprobs_are_probs)
     if logprobs_are_probs:
         row_values = row_values.log().clamp_(min=torch.finfo(row_values.dtype).min)
     for j, i in enumerate(rows):
@@ -77,17 +77,40 @@ def draw_token_samples(
     return values, ids
 
 
-def _seeded_draws(
-    weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, num_draws: int
-) -> torch.Tensor:
-    """[n, num_draws] indices drawn from rows of `weights` by inverse CDF at hashed uniforms."""
-    vocab = weights.shape[1]
-    cdf = torch.cumsum(weights.double(), dim=1)
-    total = cdf[:, -1:]
-    uniforms = seeded_uniforms(seeds, positions, first_stream=vocab, count=num_draws)
-    # Stay strictly below the total so the search never runs past the last token with mass.
-    targets = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, targets, right=True).clamp_(max=vocab - 1)
+def _runs_the_kernel(logprobs: torch.Tensor) -> bool:
+    """CUDA rows take the fused kernel; CPU rows the torch path (the kernel interpreted would
+    cost a CPU server seconds per step; tests/test_sglang/test_sglang_draws.py runs it there)."""
+    return logprobs.is_cuda
+
+
+def _kernel_draws(logprobs, row_index, num_draws, seeds, positions, logprobs_are_probs) -> torch.Tensor:
+    """[n, num_draws] ids from the fused kernel, at hashed uniforms for seeded rows and the global
+    generator's otherwise; one host sync, to refuse a row without mass (NaN or all -inf)."""
+    if seeds is None:
+        uniforms = torch.rand((row_index.numel(), num_draws), dtype=torch.float64, device=logprobs.device)
+    else:
+        uniforms = seeded_uniforms(seeds[row_index], positions[row_index], first_stream=logprobs.shape[1], count=num_draws)
+    draws = token_draws(logprobs, uniforms, rows=row_index, logprobs_are_probs=logprobs_are_probs, validate=False)
+    if bool((draws < 0).any()):
+        raise ValueError("a row's sampling distribution has no finite, positive mass (NaN or every entry -inf)")
+    return draws
+
+
+def _torch_path(logprobs, sampled_ids, row_index, num_draws, seeds, positions, logprobs_are_probs):
+    """(ids, values) [n, 1 + num_draws] on CPU: torch.multinomial for unseeded rows, the float64
+    reference inverse CDF at hashed uniforms for seeded ones."""
+    selected = logprobs if row_index.numel() == logprobs.shape[0] else logprobs.index_select(0, row_index)
+    if seeds is None:
+        # fp32 weights: multinomial needs no more, and bf16 logprobs (RL on-policy mode) would
+        # round the probabilities of the tail.
+        weights = selected.float() if logprobs_are_probs else selected.float().exp()
+        draws = torch.multinomial(weights, num_draws, replacement=True)
+    else:
+        uniforms = seeded_uniforms(seeds[row_index], positions[row_index], first_stream=logprobs.shape[1], count=num_draws)
+        every_row = torch.arange(selected.shape[0], device=selected.device)
+        draws = token_draws_reference(selected, uniforms, every_row, logprobs_are_probs)
+    row_ids = torch.cat([sampled_ids.index_select(0, row_index).long().unsqueeze(1), draws], dim=1)
+    return row_ids, selected.gather(1, row_ids)
 
 
 def seeded_uniforms(

@@ -30,6 +30,7 @@ HOPPER = GPUS["sm_90"]
 TOKENS, VOCAB_LOCAL = 16384, 151936  # a 16k-token micro-batch of Qwen's vocabulary at tp = 1
 SCORE_CENTERING_IDS = 129  # slime's --score-centering-top-k 128 head plus the sampled token
 SEGMENT_TOKENS = 16384
+DRAW_ROWS, DRAWS = 256, 32  # a decode step of 256 requests, 32 draws each (the plugin's K)
 COMPILE_TIMEOUT_S = 1200
 STDERR_TAIL_LINES = 60
 
@@ -66,6 +67,10 @@ def shipped_launches() -> list:
                 kwargs = dict(dtype=dtype, channels=channels, tokens=SEGMENT_TOKENS)
                 label = f"segment_sum {phase} {dtype} C={channels}"
                 launches.append(Launch(label, f"bench.static.launches:segment_sum_{phase}", kwargs))
+    for dtype, probs in (("fp32", False), ("bf16", False), ("fp32", True)):
+        kwargs = dict(dtype=dtype, draws=DRAWS, rows=DRAW_ROWS, vocab=VOCAB_LOCAL, probs=probs)
+        label = f"token_draws forward {dtype} K={DRAWS}" + " probs" * probs
+        launches.append(Launch(label, "bench.static.launches:token_draws", kwargs))
     return launches
 
 
@@ -232,7 +237,7 @@ def write_csv(rows, path: Path) -> None:
         writer.writerows(rows)
 
 
-def run(results_dir: Path, ops=("token_stats", "segment_sum"), archs=ARCHS) -> list:
+def run(results_dir: Path, ops=("token_stats", "segment_sum", "token_draws"), archs=ARCHS) -> list:
     """Compile every shipped variant of `ops` for each of `archs`, print the table, write
     results_dir/static.csv; then name each variant and arch that did not compile (or whose SASS
     the bundled tools cannot read), with the tool's message, and exit non-zero if there is one."""

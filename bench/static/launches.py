@@ -58,3 +58,10 @@ def segment_sum_backward(dtype, channels, tokens):
 
     values, mask, segments, denominators = _segment_inputs(dtype, channels, tokens)
     values_grad(_meta((channels,), mask.dtype), mask, segments, denominators, values.dtype)
+
+
+def token_draws(dtype, draws, rows, vocab, probs):
+    from fusedrl.kernels.token_draws import token_draws_forward
+
+    logprobs = _meta((rows, vocab), DTYPES[dtype])
+    token_draws_forward(logprobs, _meta((rows, draws), torch.float64), _meta((rows,), torch.int64), probs)

@@ -2,7 +2,7 @@
 any machine: a test that left its inputs on CPU would, under FUSEDRL_TEST_DEVICE=cuda, compare the
 float64 reference with itself and pass.
 
-Every test of the LM-head, token-statistics and segmented-sum parity files that takes `device`
+Every test of the LM-head, token-statistics, segmented-sum and token-draws parity files that takes `device`
 (and nothing but its parametrized arguments) runs again under `device_probe.DeviceProbe`: the LM
 head's once per parametrization (their `rows` and chunking take different paths), the others once
 (their parameters are shapes and dtypes), with `device` = the stand-in device on CPU (the probe
@@ -18,6 +18,7 @@ import itertools
 import pytest
 import test_linear_token_stats
 import test_segment_sum
+import test_token_draws
 import test_token_stats
 import test_token_stats_masked
 import test_token_stats_scale
@@ -36,12 +37,15 @@ MODULES = {  # module: every parametrization (else the first that runs a kernel)
     test_token_stats_masked: False,
     test_token_stats_scale: False,
     test_segment_sum: False,
+    test_token_draws: False,
 }
 NOT_PROBED = {
     "test_tp_rank_with_an_all_minus_inf_shard": "launches the kernels through the host functions, not the ops",
     "test_two_rank_combine_fp32_no_worse_than_eager": "launches the kernels through the host functions, not the ops",
     "test_kernels_compile_for_hopper": "compiles for sm_90 and runs nothing (10 s)",
     "test_meta_tensors_get_shapes_with_the_value_checks_on": "meta tensors: the ops' fake implementations, no device",
+    "test_meta_tensors_get_the_ids_shape": "meta tensors: the op's fake implementation, no device",
+    "test_kernels_compile_for_hopper_streaming_without_spills": "compiles for sm_90 and runs nothing",
 }
 
 

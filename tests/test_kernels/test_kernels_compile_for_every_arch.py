@@ -5,7 +5,8 @@ call. CI runs this on the oldest, the pinned and the newest supported Triton (.c
 
 The variants: both phases of token_stats in every dtype with every switch off and all on (J = 9),
 the J = 129 score-centering variants (the most ids a row), and segment_sum in both phases and
-dtypes at 8 channels. Resource usage only (registers, local memory): the loop counts are the static
+dtypes at 8 channels, and token_draws (both kernels) for fp32 and bf16 log-probs and fp32
+probabilities. Resource usage only (registers, local memory): the loop counts are the static
 model's (`python -m bench --static`)."""
 
 from sm90 import shipped
@@ -17,6 +18,8 @@ OTHER_ARCHS = tuple(arch for arch in ARCHS if arch != "sm_90")
 
 
 def covering(kwargs) -> bool:
+    if "draws" in kwargs:
+        return True
     if "channels" in kwargs:
         return kwargs["channels"] == 8
     switches = (kwargs["ids_per_row"], kwargs["entropy"], kwargs["rows"])
@@ -24,8 +27,8 @@ def covering(kwargs) -> bool:
 
 
 def test_every_kernel_compiles_for_every_arch_without_spilling():
-    launches = shipped("token_stats", covering) + shipped("segment_sum", covering)
-    assert len(launches) == 12 + 4 + 4
+    launches = shipped("token_stats", covering) + shipped("segment_sum", covering) + shipped("token_draws", covering)
+    assert len(launches) == 12 + 4 + 4 + 3
     records = compile_launches(launches, archs=OTHER_ARCHS, sass=False)
     failed = [f"{record['label']} for {record['arch']}: {record['error']}" for record in records if "error" in record]
     assert not failed, "\n".join(failed)

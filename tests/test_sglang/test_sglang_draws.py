@@ -109,3 +109,31 @@ def test_probabilities_input_gives_the_same_draws_and_logprobs():
     for row in range(3):
         assert torch.equal(ids[row], prob_ids[row])
         torch.testing.assert_close(prob_values[row], values[row], rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_path_draws_what_the_torch_path_draws(monkeypatch):
+    """The path CUDA rows take (the fused kernel, interpreted here) against the CPU torch path on
+    the same batch: bitwise the same seeded draws and values (same hashed uniforms, a subset of
+    rows with different K), and unseeded draws of tokens with mass only, with their logprobs.
+    Probabilities as input (`logprobs_are_probs`) included."""
+    from fusedrl.sglang_plugin import draws
+
+    logprobs = _logprobs(5, 300, seed=4)
+    logprobs[:, ::3] = float("-inf")
+    sampled = torch.tensor([1, 2, 4, 5, 7])
+    nums = [6, 0, 17, 1, 0]
+    seeded = dict(seeds=torch.tensor([11, 12, 13, 2**40, 15]), positions=torch.tensor([0, 3, 9, 2, 8]))
+    for as_probs in (False, True):
+        rows = logprobs.exp() if as_probs else logprobs
+        torch_path = draw_token_samples(rows, sampled, nums, logprobs_are_probs=as_probs, **seeded)
+        monkeypatch.setattr(draws, "_runs_the_kernel", lambda _: True)
+        kernel_path = draw_token_samples(rows, sampled, nums, logprobs_are_probs=as_probs, **seeded)
+        unseeded_values, unseeded_ids = draw_token_samples(rows, sampled, nums, logprobs_are_probs=as_probs)
+        monkeypatch.undo()
+        for mine, theirs in zip(kernel_path, torch_path):
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+        for i, k in enumerate(nums):
+            assert unseeded_ids[i].shape == (1 + k if k else 0,)
+            if k:
+                assert unseeded_ids[i][0] == sampled[i] and not (unseeded_ids[i][1:] % 3 == 0).any()
+                assert torch.allclose(unseeded_values[i], logprobs[i, unseeded_ids[i]])
