@@ -2,9 +2,8 @@
 
 Pure text functions over `nvdisasm -c` (or `cuobjdump -sass`) and `cuobjdump -res-usage` output, so the cost model's
 counting can be tested on hand-written kernels without a GPU. A loop is the address range of a
-backward branch; the main loop is the one whose global accesses are the widest, the first of
-those in address order if several (an outer loop before the loops inside it, which are counted
-once per trip, as written; a streaming pass before per-draw loops that re-read parts of the row). The compiler may
+backward branch; the main loop is the one whose global accesses are the widest, the longest of
+those if several (inner loops inside it are counted once per trip, as written). The compiler may
 unroll the main loop, so one trip through the SASS loop can cover several trips of the source
 loop; the cost model tells them apart
 by the widest loads (bench/static/__init__.py). Widths come from the opcode suffix (LDG.E.128 = 128 bits,
@@ -94,12 +93,10 @@ def access_bits(opcode: str) -> int:
 
 
 def main_loop(instructions) -> Optional[tuple]:
-    """The loop streaming the kernel's widest global accesses (the first such loop), or None.
+    """The loop streaming the kernel's widest global accesses (the longest such loop), or None.
 
     Width first: a kernel can hold a longer loop over narrower accesses beside its streamed loop
-    (the token-statistics backward matches repeated ids in chunks before it streams the row). Then
-    address order: the draws kernel's per-draw loop re-reads groups of the row as widely as its
-    streaming pass reads the row, and comes after it (as does any loop after the streamed one)."""
+    (the token-statistics backward matches repeated ids in chunks before it streams the row)."""
 
     def widest_access(span):
         first, last = span
@@ -107,7 +104,7 @@ def main_loop(instructions) -> Optional[tuple]:
         return max((access_bits(i.opcode) for i in accesses), default=0)
 
     touching = [span for span in loops(instructions) if widest_access(span)]
-    return max(touching, key=lambda span: (widest_access(span), -span[0]), default=None)
+    return max(touching, key=lambda span: (widest_access(span), span[1] - span[0]), default=None)
 
 
 def count_main_loop(instructions) -> LoopCounts:

@@ -19,10 +19,10 @@ libraries = {{name: lib for name, lib in custom_ops.OPDEF_TO_LIB.items() if name
 {second}
 import fusedrl.kernels as kernels
 assert sys.modules["kernels"] is kernels, sys.modules["kernels"]
-for name in ("token_stats", "segment_sum", "linear_token_stats", "_contract"):
+for name in ("token_stats", "segment_sum", "token_draws", "linear_token_stats", "_contract"):
     assert sys.modules["kernels." + name] is sys.modules["fusedrl.kernels." + name], name
 now = {{name: lib for name, lib in custom_ops.OPDEF_TO_LIB.items() if name.startswith("fusedrl::")}}
-assert len(now) == 6 and all(now[name] is lib for name, lib in libraries.items()), (libraries, now)
+assert len(now) == 7 and all(now[name] is lib for name, lib in libraries.items()), (libraries, now)
 logits = torch.randn(4, 37, requires_grad=True)
 stats = kernels.token_stats(logits, torch.randint(0, 37, (4, 2)), with_entropy=True)
 total = kernels.segment_sum(stats.logp[:, 0] + stats.entropy, torch.ones(4), torch.tensor([0, 0, 1, 1]), torch.ones(2))
