@@ -31,7 +31,8 @@ from .reference import token_draws_reference
 
 GROUP = 128  # tokens per CDF group: the re-read per draw, and V / GROUP float64 numbers per row
 GROUPS_PER_PROGRAM = 16  # groups one program of the streaming pass sums: 2048 tokens
-DRAWS_PER_PROGRAM = 8  # targets one search program takes: [8, GROUP] float64 in the re-read
+DRAWS_PER_PROGRAM = 4  # targets one search program takes: [4, GROUP] float64 in the re-read; 8 puts
+# 8-16 bytes of stack on sm_80 (Triton 3.6, 3.9) or sm_120 (3.9)
 SEARCH_STEP = 128  # group ends compared per step of the group search
 NUM_WARPS = 4  # both kernels: no spill or stack on sm_80 to sm_120 (`python -m bench --static`)
 

@@ -2,8 +2,8 @@
 contract.
 
 Shapes are chosen to break things: V = 1, V below, at and just above one group (128) and one
-streaming program (2048), odd V; K below, at and above one search program (16); -inf (masked)
-tokens, which must never be drawn; rows that are not normalised; bf16, fp16 and fp64 log-probs;
+streaming program (2048), odd V; K below, at and above one search program (4) and several;
+-inf (masked) tokens, which must never be drawn; rows that are not normalised; bf16, fp16 and fp64 log-probs;
 probabilities as input; a subset of rows in scattered order; log-probs strided along V. For the
 same uniforms the kernel must return the reference's ids, except where a uniform lies within
 rounding of a CDF step (counted: none on these seeds). The kernels run on the `device` fixture's
@@ -96,29 +96,37 @@ def test_log_probs_strided_along_the_vocabulary(device):
     assert_reference_ids(wide[:, ::2], uniforms_for(3, 8, 0), device)
 
 
-def test_draws_follow_the_distribution_and_never_a_masked_token(device):
-    """Pearson's chi-square over 4096 draws per row against the exact probabilities (cells
-    expected under 5 pooled), at a bound (p > 1e-6) that a correct sampler misses once in a
-    million runs; fixed seeds."""
-    for vocab in (40, 600):
-        logprobs = make_logprobs(2, vocab, 5, scale=1.5)
-        logprobs[1] = make_logprobs(1, vocab, 6, masked=False, scale=1.5)[0]
-        logprobs[0, 1::2] = float("-inf")
-        logprobs = torch.log_softmax(logprobs.double(), dim=-1).float()
-        draws = 4096
-        ids = token_draws(logprobs.to(device), uniforms_for(2, draws, vocab).to(device)).cpu()
-        for row in range(2):
-            p = logprobs[row].double().exp()
-            counts = torch.bincount(ids[row], minlength=vocab).double()
-            assert counts[p == 0].sum() == 0, "a masked token was drawn"
-            expected = p * draws
-            pooled = expected >= 5  # the tail pooled into one cell
-            observed = torch.cat([counts[pooled], counts[~pooled & (p > 0)].sum().reshape(1)])
-            wanted = torch.cat([expected[pooled], expected[~pooled & (p > 0)].sum().reshape(1)])
-            keep = wanted > 0
-            statistic = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
-            dof = int(keep.sum()) - 1
-            assert chi_square_p_value(statistic, dof) > 1e-6, (vocab, row, statistic, dof)
+def chi_square_rows():
+    """Two rows over 600 tokens: half of row 0 masked, row 1 unmasked; logits at scale 1.5."""
+    logprobs = make_logprobs(2, 600, 5, scale=1.5)
+    logprobs[1] = make_logprobs(1, 600, 6, masked=False, scale=1.5)[0]
+    logprobs[0, 1::2] = float("-inf")
+    return torch.log_softmax(logprobs.double(), dim=-1).float()
+
+
+def test_reference_draws_follow_the_distribution_and_never_a_masked_token():
+    """Pearson's chi-square over 4096 reference draws per row against the exact probabilities
+    (cells expected under 5 pooled), at a bound (p > 1e-6) that a correct sampler misses once in
+    a million runs; fixed seeds. The kernel's law is this one: it returns the reference's ids for
+    the same uniforms (the tests above, and the next on these rows)."""
+    logprobs, draws = chi_square_rows(), 4096
+    ids = token_draws_reference(logprobs, uniforms_for(2, draws, 600), torch.arange(2))
+    for row in range(2):
+        p = logprobs[row].double().exp()
+        counts = torch.bincount(ids[row], minlength=p.numel()).double()
+        assert counts[p == 0].sum() == 0, "a masked token was drawn"
+        expected = p * draws
+        pooled = expected >= 5  # the tail pooled into one cell
+        observed = torch.cat([counts[pooled], counts[~pooled & (p > 0)].sum().reshape(1)])
+        wanted = torch.cat([expected[pooled], expected[~pooled & (p > 0)].sum().reshape(1)])
+        keep = wanted > 0
+        statistic = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
+        dof = int(keep.sum()) - 1
+        assert chi_square_p_value(statistic, dof) > 1e-6, (row, statistic, dof)
+
+
+def test_ids_on_the_chi_square_rows_are_the_references(device):
+    assert_reference_ids(chi_square_rows(), uniforms_for(2, 64, 600), device)
 
 
 def chi_square_p_value(statistic: float, dof: int) -> float:
