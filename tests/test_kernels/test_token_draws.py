@@ -96,26 +96,23 @@ def test_log_probs_strided_along_the_vocabulary(device):
     assert_reference_ids(wide[:, ::2], uniforms_for(3, 8, 0), device)
 
 
-def chi_square_rows():
-    """Two rows over 600 tokens: half of row 0 masked, row 1 unmasked; logits at scale 1.5."""
-    logprobs = make_logprobs(2, 600, 5, scale=1.5)
-    logprobs[1] = make_logprobs(1, 600, 6, masked=False, scale=1.5)[0]
+def chi_square_rows(vocab):
+    """Two rows over `vocab` tokens: half of row 0 masked, row 1 unmasked; logits at scale 1.5."""
+    logprobs = make_logprobs(2, vocab, 5, scale=1.5)
+    logprobs[1] = make_logprobs(1, vocab, 6, masked=False, scale=1.5)[0]
     logprobs[0, 1::2] = float("-inf")
     return torch.log_softmax(logprobs.double(), dim=-1).float()
 
 
-def test_reference_draws_follow_the_distribution_and_never_a_masked_token():
-    """Pearson's chi-square over 4096 reference draws per row against the exact probabilities
-    (cells expected under 5 pooled), at a bound (p > 1e-6) that a correct sampler misses once in
-    a million runs; fixed seeds. The kernel's law is this one: it returns the reference's ids for
-    the same uniforms (the tests above, and the next on these rows)."""
-    logprobs, draws = chi_square_rows(), 4096
-    ids = token_draws_reference(logprobs, uniforms_for(2, draws, 600), torch.arange(2))
-    for row in range(2):
+def assert_draws_follow(logprobs, ids):
+    """Pearson's chi-square of each row's draws against its exact probabilities (cells expected
+    under 5 pooled into one), at a bound (p > 1e-6) that a correct sampler misses once in a
+    million runs; and no masked token drawn."""
+    for row in range(logprobs.shape[0]):
         p = logprobs[row].double().exp()
         counts = torch.bincount(ids[row], minlength=p.numel()).double()
         assert counts[p == 0].sum() == 0, "a masked token was drawn"
-        expected = p * draws
+        expected = p * ids.shape[1]
         pooled = expected >= 5  # the tail pooled into one cell
         observed = torch.cat([counts[pooled], counts[~pooled & (p > 0)].sum().reshape(1)])
         wanted = torch.cat([expected[pooled], expected[~pooled & (p > 0)].sum().reshape(1)])
@@ -125,8 +122,22 @@ def test_reference_draws_follow_the_distribution_and_never_a_masked_token():
         assert chi_square_p_value(statistic, dof) > 1e-6, (row, statistic, dof)
 
 
+def test_draws_follow_the_distribution_and_never_a_masked_token(device):
+    """512 kernel draws per row at V = 40 (fixed seeds)."""
+    logprobs = chi_square_rows(40)
+    assert_draws_follow(logprobs, token_draws(logprobs.to(device), uniforms_for(2, 512, 40).to(device)).cpu())
+
+
+@pytest.mark.parametrize("vocab", [600, 151936])
+def test_reference_draws_follow_the_distribution_and_never_a_masked_token(vocab):
+    """4096 draws per row of the float64 reference, up to a real vocabulary; the kernel returns
+    the reference's ids for the same uniforms (the tests above, and the next on these rows)."""
+    logprobs = chi_square_rows(vocab)
+    assert_draws_follow(logprobs, token_draws_reference(logprobs, uniforms_for(2, 4096, vocab), torch.arange(2)))
+
+
 def test_ids_on_the_chi_square_rows_are_the_references(device):
-    assert_reference_ids(chi_square_rows(), uniforms_for(2, 64, 600), device)
+    assert_reference_ids(chi_square_rows(600), uniforms_for(2, 64, 600), device)
 
 
 def chi_square_p_value(statistic: float, dof: int) -> float:
