@@ -95,7 +95,7 @@ def test_seeded_draws_ride_on_sglang_seeded_sampling(monkeypatch, sglang_seeded_
 def test_seeded_draw_frequencies_match_the_seeded_sampling_distribution(
     monkeypatch, sglang_seeded_sampler
 ):
-    vocab, rows, k, temperature = 9, 2500, 8, 0.8
+    vocab, rows, k, temperature = 9, 1000, 20, 0.8  # 20000 draws; SGLang's own hash kernel runs per row
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 1.5
     logits = base.expand(rows, vocab).contiguous()
     info = _seeded_info([temperature] * rows, [1234] * rows)
