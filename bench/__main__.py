@@ -20,6 +20,7 @@ from .cases import (
     OPS,
     PHASES,
     SEGMENT_TOKENS,
+    STATIC_ONLY_OPS,
     Grid,
     SegmentCase,
     default_cases,
@@ -87,10 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compute the entropy too (default: off, and on at the largest fp32 shape)")
     parser.add_argument("--temperature", type=_positive_float, default=1.0, metavar="TEMP",
                         help="sampling temperature, fused into the kernel; finite, > 0 (default: %(default)s)")
-    parser.add_argument("--op", nargs="+", choices=OPS, default=list(DEFAULT_OPS),
+    parser.add_argument("--op", nargs="+", choices=OPS + STATIC_ONLY_OPS,
                         help="token_stats: log-probs/entropy kernel; segment_sum: aggregation kernel; "
-                             "linear_token_stats: the LM head fused with token_stats "
-                             f"(default: {' '.join(DEFAULT_OPS)})")
+                             "linear_token_stats: the LM head fused with token_stats; token_draws: the "
+                             "rollout side's K draws (with --static only) "
+                             f"(default: {' '.join(DEFAULT_OPS)}; with --static: {' '.join(static.OPS)})")
     parser.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES),
                         help="passes to measure (default: all three)")
     parser.add_argument("--subjects", nargs="+", choices=SUBJECT_NAMES, default=list(SUBJECT_NAMES),
@@ -116,6 +118,11 @@ def parse_args(argv):
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         if os.environ.get("TRITON_INTERPRET") == "1":
             parser.error("argument --device: a GPU run times compiled kernels; unset TRITON_INTERPRET=1")
+    if args.op is None:
+        args.op = list(static.OPS if args.static else DEFAULT_OPS)
+    unmeasured = [op for op in args.op if op in STATIC_ONLY_OPS]
+    if unmeasured and not args.static:
+        parser.error(f"argument --op: {' '.join(unmeasured)} has only the static cost model so far (add --static)")
     try:
         args.archs = static.parse_archs(args.arch)
     except ValueError as error:

@@ -13,6 +13,8 @@ import torch
 
 OPS = ("token_stats", "segment_sum", "linear_token_stats")
 DEFAULT_OPS = ("token_stats", "segment_sum")  # the LM head is opt-in: --op linear_token_stats
+# Kernels the static cost model covers that have no timed workload yet: `--op` takes them with --static.
+STATIC_ONLY_OPS = ("token_draws",)
 PHASES = ("fwd", "bwd", "fwd+bwd")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # How many times the logits cross memory at minimum: forward reads them once; backward reads them

@@ -237,7 +237,11 @@ def write_csv(rows, path: Path) -> None:
         writer.writerows(rows)
 
 
-def run(results_dir: Path, ops=("token_stats", "segment_sum", "token_draws"), archs=ARCHS) -> list:
+# The ops whose kernels the static model covers (`python -m bench --static` without --op).
+OPS = ("token_stats", "segment_sum", "token_draws")
+
+
+def run(results_dir: Path, ops=OPS, archs=ARCHS) -> list:
     """Compile every shipped variant of `ops` for each of `archs`, print the table, write
     results_dir/static.csv; then name each variant and arch that did not compile (or whose SASS
     the bundled tools cannot read), with the tool's message, and exit non-zero if there is one."""

@@ -34,6 +34,7 @@ from bench.report import figure  # noqa: E402
         (["--entropy", "yes"], "--entropy", "invalid choice: 'yes'"),
         (["--static", "--arch", "sm_70"], "--arch", "unknown arch sm_70; choose from sm_80,sm_90,sm_100,sm_103,sm_120"),
         (["--static", "--arch", ","], "--arch", "unknown arch ','"),
+        (["--op", "token_draws"], "--op", "token_draws has only the static cost model so far (add --static)"),
     ],
 )
 def test_bad_values_are_usage_errors_naming_the_option(capsys, argv, option, problem):
@@ -41,6 +42,13 @@ def test_bad_values_are_usage_errors_naming_the_option(capsys, argv, option, pro
         parse_args(["--device", "cpu", *argv])
     assert exit_info.value.code == 2
     assert f"argument {option}: {problem}" in capsys.readouterr().err
+
+
+def test_op_defaults_are_the_timed_ops_and_with_static_every_modelled_kernel(tmp_path):
+    results = ["--results-dir", str(tmp_path)]
+    assert parse_args(["--device", "cpu", *results]).op == ["token_stats", "segment_sum"]
+    assert parse_args(["--static", *results]).op == ["token_stats", "segment_sum", "token_draws"]
+    assert parse_args(["--static", "--op", "token_draws", *results]).op == ["token_draws"]
 
 
 def test_a_temperature_the_kernels_do_not_answer_is_a_usage_error(capsys, tmp_path):
