@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import report, static, summary
+from . import report, rollout_draws, static, summary
 from .cases import (
     CPU_GRID,
     DEFAULT_OPS,
@@ -20,7 +20,6 @@ from .cases import (
     OPS,
     PHASES,
     SEGMENT_TOKENS,
-    STATIC_ONLY_OPS,
     Grid,
     SegmentCase,
     default_cases,
@@ -88,10 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compute the entropy too (default: off, and on at the largest fp32 shape)")
     parser.add_argument("--temperature", type=_positive_float, default=1.0, metavar="TEMP",
                         help="sampling temperature, fused into the kernel; finite, > 0 (default: %(default)s)")
-    parser.add_argument("--op", nargs="+", choices=OPS + STATIC_ONLY_OPS,
+    parser.add_argument("--op", nargs="+", choices=OPS,
                         help="token_stats: log-probs/entropy kernel; segment_sum: aggregation kernel; "
                              "linear_token_stats: the LM head fused with token_stats; token_draws: the "
-                             "rollout side's K draws (with --static only) "
+                             "SGLang plugin's K draws beside SGLang's sampling step (bench/rollout_draws.py) "
                              f"(default: {' '.join(DEFAULT_OPS)}; with --static: {' '.join(static.OPS)})")
     parser.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES),
                         help="passes to measure (default: all three)")
@@ -120,9 +119,6 @@ def parse_args(argv):
             parser.error("argument --device: a GPU run times compiled kernels; unset TRITON_INTERPRET=1")
     if args.op is None:
         args.op = list(static.OPS if args.static else DEFAULT_OPS)
-    unmeasured = [op for op in args.op if op in STATIC_ONLY_OPS]
-    if unmeasured and not args.static:
-        parser.error(f"argument --op: {' '.join(unmeasured)} has only the static cost model so far (add --static)")
     try:
         args.archs = static.parse_archs(args.arch)
     except ValueError as error:
@@ -181,6 +177,10 @@ def main(argv=None):
     device = pick_device(args.device)
     gpu = device.type == "cuda"
     _check_temperature(args.temperature)
+    if "token_draws" in args.op:
+        draws = rollout_draws.run(device, args.results_dir)
+        if args.op == ["token_draws"]:
+            return draws
 
     cases = select_cases(args, gpu)
     refusal = oversized_message(cases, available_bytes(device), device.type)

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-OPS = ("token_stats", "segment_sum", "linear_token_stats")
-DEFAULT_OPS = ("token_stats", "segment_sum")  # the LM head is opt-in: --op linear_token_stats
-# Kernels the static cost model covers that have no timed workload yet: `--op` takes them with --static.
-STATIC_ONLY_OPS = ("token_draws",)
+OPS = ("token_stats", "segment_sum", "linear_token_stats", "token_draws")
+# The LM head and the rollout side's draws (bench/rollout_draws.py) are opt-in: --op NAME.
+DEFAULT_OPS = ("token_stats", "segment_sum")
 PHASES = ("fwd", "bwd", "fwd+bwd")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # How many times the logits cross memory at minimum: forward reads them once; backward reads them

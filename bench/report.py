@@ -58,19 +58,20 @@ def csv_row(record, env) -> dict:
     return {field: row.get(field) for field in CSV_FIELDS}
 
 
-def append_csv(records, env, path: Path) -> Path:
-    """Append to `path`; if it was written with other columns, start a dated file beside it."""
+def append_csv(records, env, path: Path, fields=CSV_FIELDS, row=csv_row) -> Path:
+    """Append `row(record, env)` for each record to `path` (columns `fields`); if it was written
+    with other columns, start a dated file beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         with path.open() as existing:
-            if next(csv.reader(existing), None) != list(CSV_FIELDS):
+            if next(csv.reader(existing), None) != list(fields):
                 path = path.with_name(f"{path.stem}-{env['date'].replace(':', '')}{path.suffix}")
     is_new = not path.exists()
     with path.open("a", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=CSV_FIELDS)
+        writer = csv.DictWriter(out, fieldnames=fields)
         if is_new:
             writer.writeheader()
-        writer.writerows(csv_row(record, env) for record in records)
+        writer.writerows(row(record, env) for record in records)
     return path
 
 

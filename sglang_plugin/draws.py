@@ -40,6 +40,7 @@ def draw_token_samples(
     seeds: Optional[torch.Tensor] = None,
     positions: Optional[torch.Tensor] = None,
     logprobs_are_probs: bool = False,
+    use_kernel: Optional[bool] = None,
 ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Per row: [sampled token, K_i draws from the row's distribution] and their logprobs.
 
@@ -49,6 +50,9 @@ def draw_token_samples(
     num_samples: B ints, K_i >= 0 draws for row i.
     seeds, positions: [B] integer tensors, SGLang's per-request sampling seeds and token
         positions; with seeds the draws are reproducible (see the module docstring).
+    use_kernel: None picks the path by device (the kernel on CUDA, the torch path elsewhere);
+        True or False forces one (the benchmark measures both; the kernel on CPU needs the Triton
+        interpreter).
     Returns (values, ids): two lists of B 1-D tensors; row i holds 1 + K_i entries when K_i > 0
     (its sampled token first) and none otherwise, the per-row layout SGLang's top-logprobs take.
     """
@@ -63,7 +67,9 @@ def draw_token_samples(
 
     row_index = torch.tensor(rows, dtype=torch.long, device=logprobs.device)
     max_k = max(num_samples)
-    if _runs_the_kernel(logprobs):
+    if use_kernel is None:
+        use_kernel = _runs_the_kernel(logprobs)
+    if use_kernel:
         draws = _kernel_draws(logprobs, row_index, max_k, seeds, positions, logprobs_are_probs)
         row_ids = torch.cat([sampled_ids.index_select(0, row_index).long().unsqueeze(1), draws], dim=1)
         row_values = logprobs[row_index.unsqueeze(1), row_ids]

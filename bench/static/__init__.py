@@ -18,6 +18,7 @@ import csv
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -74,6 +75,23 @@ def shipped_launches() -> list:
     return launches
 
 
+# Environment variables that point Triton at other NVIDIA tools than the ones it bundles. Imports
+# set them behind the user's back (flashinfer.triton sets TRITON_PTXAS_BLACKWELL_PATH to any CUDA 13
+# ptxas on PATH), and another ptxas allocates registers and stack differently: the model reads
+# what Triton's own tools make of each kernel, whatever ran in the process before.
+TOOL_OVERRIDES = re.compile(r"TRITON_[A-Z_]+_PATH")
+
+
+def compile_env(extra_path=()) -> dict:
+    """The compiling child's environment: this one without the interpreter switch or tool
+    overrides, with the repository (and `extra_path`) importable."""
+    env = {key: value for key, value in os.environ.items()
+           if key != "TRITON_INTERPRET" and not TOOL_OVERRIDES.fullmatch(key)}  # fmt: skip
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, *map(str, extra_path), env.get("PYTHONPATH", "")])
+    return env
+
+
 def compile_launches(launches, archs=("sm_90",), sass=True, extra_path=()) -> list:
     """Records of every kernel the launches start, compiled for each of `archs` in a fresh process
     without the interpreter (TRITON_INTERPRET changes what @triton.jit builds at import); a launch
@@ -81,12 +99,9 @@ def compile_launches(launches, archs=("sm_90",), sass=True, extra_path=()) -> li
     resource usage only (registers, spills, shared memory), not the loop counts. The child's
     progress lines pass through to stderr as they come; its last lines are kept for the error
     message."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root, *map(str, extra_path), env.get("PYTHONPATH", "")])
     child = subprocess.Popen(
         [sys.executable, "-m", "bench.static.compile"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=compile_env(extra_path), text=True,
     )  # fmt: skip
     tail = collections.deque(maxlen=STDERR_TAIL_LINES)
     relay = threading.Thread(target=_relay_progress, args=(child.stderr, tail), daemon=True)

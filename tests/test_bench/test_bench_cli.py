@@ -34,7 +34,6 @@ from bench.report import figure  # noqa: E402
         (["--entropy", "yes"], "--entropy", "invalid choice: 'yes'"),
         (["--static", "--arch", "sm_70"], "--arch", "unknown arch sm_70; choose from sm_80,sm_90,sm_100,sm_103,sm_120"),
         (["--static", "--arch", ","], "--arch", "unknown arch ','"),
-        (["--op", "token_draws"], "--op", "token_draws has only the static cost model so far (add --static)"),
     ],
 )
 def test_bad_values_are_usage_errors_naming_the_option(capsys, argv, option, problem):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from sm90 import Launch, compile_for_hopper
 
-from bench.static import HOPPER, compile_launches, ceilings, cost, ctas_per_sm, table
+from bench.static import HOPPER, ceilings, compile_env, compile_launches, cost, ctas_per_sm, table
 from bench.static.gpus import ARCHS, GPUS
 from bench.static.join import beside_measured
 from bench.static.sass import access_bits, count_main_loop, loop_sizes, loops, parse_resources, parse_sass
@@ -222,3 +222,16 @@ def test_table_legend_gives_every_abbreviated_column_its_unit():
         assert column in text.splitlines()[0]
     assert "bits per thread" in text and "spill) bytes per thread" in text
     assert "not timings" in text and "sm_90: H200 SXM, 132 SMs" in text
+
+
+def test_the_compiling_child_reads_tritons_own_tools(monkeypatch, tmp_path):
+    """flashinfer.triton's import points TRITON_PTXAS_BLACKWELL_PATH at a CUDA 13 ptxas on PATH (it
+    gave the draws' search kernel 8 bytes of stack on sm_100 where Triton's own has none): the
+    child compiles without such overrides and without the interpreter, in the caller's cache."""
+    monkeypatch.setenv("TRITON_PTXAS_BLACKWELL_PATH", "/usr/local/bin/ptxas")
+    monkeypatch.setenv("TRITON_LIBDEVICE_PATH", "/elsewhere/libdevice.10.bc")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    env = compile_env()
+    assert not {"TRITON_PTXAS_BLACKWELL_PATH", "TRITON_LIBDEVICE_PATH", "TRITON_INTERPRET"} & set(env)
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path)
