@@ -6,16 +6,19 @@ at which the row's CDF crosses `u * total`, the same tokens as `torch.searchsort
 cumulative sum (`token_draws_reference`), with no `[B, V]` buffer. Two kernels:
 
 1. the streaming pass, split over the row (every row size fills the GPU): the probabilities (fp32
-   `exp`, as the torch path) summed in float64 per group of GROUP tokens, `ceil(V / GROUP)`
-   float64 numbers per row (under 2 % of an fp32 row);
-2. the search, per row and DRAWS_PER_PROGRAM draws: the row's total and the CDF at each group's
-   end from those sums; each target `u * total` finds its group (how many group ends are at or
-   below it), then its token by a float64 scan of that group, read again.
+   `exp`, as the torch path) summed in float64 per group of GROUP tokens and per block of
+   GROUPS_PER_PROGRAM groups, `ceil(V / GROUP)` + `ceil(V / 2048)` float64 numbers per row (under
+   2 % of an fp32 row);
+2. the search, per row and DRAWS_PER_PROGRAM draws: the row's total and the CDF at each block's
+   end from the block sums; each target `u * total` finds its block (how many block ends are at
+   or below it), then its group from that block's group sums, then its token by a float64 scan
+   of that group, read again.
 
-So the bytes are one read of the row plus at most K groups of GROUP tokens, and no probability is
-coarser than float64 rounding (2**-53 of the total), as in the reference. A row whose total is not
-finite and positive (all -inf, NaN, +inf) gets -1 for every draw, which `token_draws` turns into an
-error. Deterministic: fixed reduction orders, no atomics.
+So the bytes are one read of the row plus at most K groups of GROUP tokens, the sums written once
+and read back (the block sums twice per search program: 1.2 KB at V = 151936), and no
+probability is coarser than float64 rounding (2**-53 of the total), as in the reference. A row
+whose total is not finite and positive (all -inf, NaN, +inf) gets -1 for every draw, which
+`token_draws` turns into an error. Deterministic: fixed reduction orders, no atomics.
 
 Layers: the Triton kernels; their host launch (`token_draws_forward`); the torch.library op
 `fusedrl::token_draws` with a fake implementation (no gradient: ids are not differentiable); and
@@ -30,10 +33,10 @@ from ._dispatch import tl, triton, uses_triton
 from .reference import token_draws_reference
 
 GROUP = 128  # tokens per CDF group: the re-read per draw, and V / GROUP float64 numbers per row
-GROUPS_PER_PROGRAM = 16  # groups one program of the streaming pass sums: 2048 tokens
+GROUPS_PER_PROGRAM = 16  # groups in a block, one program of the streaming pass: 2048 tokens
 DRAWS_PER_PROGRAM = 4  # targets one search program takes: [4, GROUP] float64 in the re-read; 8 puts
 # 8-16 bytes of stack on sm_80 (Triton 3.6, 3.9) or sm_120 (3.9)
-SEARCH_STEP = 128  # group ends compared per step of the group search
+SEARCH_STEP = 128  # block ends compared per step of the block search
 NUM_WARPS = 4  # both kernels: no spill or stack on sm_80 to sm_120 (`python -m bench --static`)
 
 
@@ -53,39 +56,43 @@ def _group_sums_kernel(
     logprobs_ptr,
     stride_row,
     rows_ptr,
-    sums_ptr,
+    group_sums_ptr,
+    block_sums_ptr,
     vocab,
     num_groups,
+    num_blocks,
     BLOCK_GROUP: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
     INPUT_IS_PROB: tl.constexpr,
 ):
-    """One program per (selected row, BLOCK_GROUPS groups of its tokens): the groups' float64
-    probability sums."""
+    """One program per (selected row, block of BLOCK_GROUPS groups of its tokens): the groups'
+    float64 probability sums, and the block's (their sum)."""
     program = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1).to(tl.int64) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS).to(tl.int64)
+    block = tl.program_id(1).to(tl.int64)
+    groups = block * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS).to(tl.int64)
     row_ptr = logprobs_ptr + tl.load(rows_ptr + program).to(tl.int64) * stride_row
     columns = groups[:, None] * BLOCK_GROUP + tl.arange(0, BLOCK_GROUP).to(tl.int64)[None, :]
     group_sums = tl.sum(_probabilities(row_ptr, columns, columns < vocab, INPUT_IS_PROB), axis=1)
-    tl.store(sums_ptr + program * num_groups + groups, group_sums, mask=groups < num_groups)
+    tl.store(group_sums_ptr + program * num_groups + groups, group_sums, mask=groups < num_groups)
+    tl.store(block_sums_ptr + program * num_blocks + block, tl.sum(group_sums, axis=0))
 
 
 @triton.jit
-def _running_ends(sums_row, start, running, num_groups, SEARCH_STEP: tl.constexpr):
-    """The float64 CDF at the ends of SEARCH_STEP groups from `start`, continuing `running` (a [1]
-    tensor: the CDF before them); +inf past the last group."""
-    groups = start + tl.arange(0, SEARCH_STEP).to(tl.int64)
-    ends = running + tl.cumsum(tl.load(sums_row + groups, mask=groups < num_groups, other=0.0), axis=0)
-    return tl.where(groups < num_groups, ends, float("inf"))
+def _running_ends(sums_row, start, running, count, SEARCH_STEP: tl.constexpr):
+    """The float64 CDF at the ends of SEARCH_STEP blocks from `start`, continuing `running` (a [1]
+    tensor: the CDF before them); +inf past the last block."""
+    blocks = start + tl.arange(0, SEARCH_STEP).to(tl.int64)
+    ends = running + tl.cumsum(tl.load(sums_row + blocks, mask=blocks < count, other=0.0), axis=0)
+    return tl.where(blocks < count, ends, float("inf"))
 
 
 @triton.jit
-def _row_total(sums_row, num_groups, SEARCH_STEP: tl.constexpr):
-    """The row's total as a [1] tensor, added group by group as `_running_ends` adds them, so the
-    last group's end is the total bit for bit."""
+def _row_total(sums_row, count, SEARCH_STEP: tl.constexpr):
+    """The row's total as a [1] tensor, added block by block as `_running_ends` adds them, so the
+    last block's end is the total bit for bit."""
     running = tl.zeros([1], dtype=tl.float64)
-    for start in range(0, num_groups, SEARCH_STEP):
-        ends = _running_ends(sums_row, start, running, num_groups, SEARCH_STEP)
+    for start in range(0, count, SEARCH_STEP):
+        ends = _running_ends(sums_row, start, running, count, SEARCH_STEP)
         running = tl.max(tl.where(ends < float("inf"), ends, 0.0), axis=0, keep_dims=True)
     return running
 
@@ -96,45 +103,58 @@ def _token_draws_kernel(
     stride_row,
     rows_ptr,
     uniforms_ptr,
-    sums_ptr,
+    group_sums_ptr,
+    block_sums_ptr,
     ids_ptr,
     vocab,
     num_groups,
+    num_blocks,
     num_draws,
     BLOCK_GROUP: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
     DRAWS_PER_STEP: tl.constexpr,
     SEARCH_STEP: tl.constexpr,
     INPUT_IS_PROB: tl.constexpr,
 ):
     """One program per (selected row, DRAWS_PER_STEP of its draws): each target u * total finds
-    its group by the group ends, then its token by a float64 scan of that group (-1 for a row
-    without a finite, positive total)."""
+    its block by the block ends, its group by the block's group ends, then its token by a float64
+    scan of that group (-1 for a row without a finite, positive total)."""
     program = tl.program_id(0).to(tl.int64)
     draws = tl.program_id(1).to(tl.int64) * DRAWS_PER_STEP + tl.arange(0, DRAWS_PER_STEP).to(tl.int64)
     draw_ok = draws < num_draws
     row_ptr = logprobs_ptr + tl.load(rows_ptr + program).to(tl.int64) * stride_row
-    sums_row = sums_ptr + program * num_groups
-    total = _row_total(sums_row, num_groups, SEARCH_STEP)
+    block_sums_row = block_sums_ptr + program * num_blocks
+    total = _row_total(block_sums_row, num_blocks, SEARCH_STEP)
     has_mass = (total > 0) & (total < float("inf"))
     # the float64 just below the total: no target reaches it, so no draw runs past the last token
     # with mass
     below_total = (tl.where(has_mass, total, 1.0).to(tl.int64, bitcast=True) - 1).to(tl.float64, bitcast=True)
     uniforms = tl.load(uniforms_ptr + program * num_draws + draws, mask=draw_ok, other=0.5)
     targets = tl.minimum(uniforms * total, below_total)
-    # the group of each target (how many group ends are at or below it) and the CDF before it
-    group = tl.zeros([DRAWS_PER_STEP], dtype=tl.int32)
-    base = tl.zeros([DRAWS_PER_STEP], dtype=tl.float64)
+    # the block of each target (how many block ends are at or below it) and the CDF before it
+    block = tl.zeros([DRAWS_PER_STEP], dtype=tl.int32)
+    block_base = tl.zeros([DRAWS_PER_STEP], dtype=tl.float64)
     running = tl.zeros([1], dtype=tl.float64)
-    for start in range(0, num_groups, SEARCH_STEP):
-        ends = _running_ends(sums_row, start, running, num_groups, SEARCH_STEP)
+    for start in range(0, num_blocks, SEARCH_STEP):
+        ends = _running_ends(block_sums_row, start, running, num_blocks, SEARCH_STEP)
         passed = ends[None, :] <= targets[:, None]
-        group += tl.sum(passed.to(tl.int32), axis=1)
-        base = tl.maximum(base, tl.max(tl.where(passed, ends[None, :], 0.0), axis=1))
+        block += tl.sum(passed.to(tl.int32), axis=1)
+        block_base = tl.maximum(block_base, tl.max(tl.where(passed, ends[None, :], 0.0), axis=1))
         running = tl.max(tl.where(ends < float("inf"), ends, 0.0), axis=0, keep_dims=True)
-    group = tl.minimum(group, num_groups - 1).to(tl.int64)
+    block = tl.minimum(block, num_blocks - 1).to(tl.int64)
+    # the group within the block: past the block's last group with mass only by rounding
+    in_block = tl.arange(0, BLOCK_GROUPS)
+    groups = block[:, None] * BLOCK_GROUPS + in_block[None, :]
+    sums = tl.load(group_sums_ptr + program * num_groups + groups, mask=draw_ok[:, None] & (groups < num_groups),
+                   other=0.0)  # fmt: skip
+    group_ends = block_base[:, None] + tl.cumsum(sums, axis=1)
+    last_group_with_mass = tl.max(tl.where(sums > 0, in_block[None, :], -1), axis=1)
+    group_in_block = tl.minimum(tl.sum((group_ends <= targets[:, None]).to(tl.int32), axis=1), last_group_with_mass)
+    base = tl.max(tl.where(in_block[None, :] < group_in_block[:, None], group_ends, block_base[:, None]), axis=1)
+    group = block * BLOCK_GROUPS + group_in_block
     in_group = tl.arange(0, BLOCK_GROUP).to(tl.int64)
     columns = group[:, None] * BLOCK_GROUP + in_group[None, :]
-    p = _probabilities(row_ptr, columns, draw_ok[:, None] & (columns < vocab), INPUT_IS_PROB)
+    p = _probabilities(row_ptr, columns, draw_ok[:, None] & (columns >= 0) & (columns < vocab), INPUT_IS_PROB)
     within = tl.sum((base[:, None] + tl.cumsum(p, axis=1) <= targets[:, None]).to(tl.int32), axis=1)
     # a target past the group's rescanned end (rounding) takes the group's last token with mass
     last_with_mass = tl.max(tl.where(p > 0, tl.arange(0, BLOCK_GROUP)[None, :], -1), axis=1)
@@ -151,14 +171,18 @@ def token_draws_forward(logprobs, uniforms, rows, logprobs_are_probs: bool) -> t
     ids = torch.empty((num_rows, num_draws), dtype=torch.int64, device=logprobs.device)
     if num_rows == 0 or num_draws == 0:
         return ids
+    num_blocks = triton.cdiv(num_groups, GROUPS_PER_PROGRAM)
     group_sums = torch.empty((num_rows, num_groups), dtype=torch.float64, device=logprobs.device)
-    _group_sums_kernel[(num_rows, triton.cdiv(num_groups, GROUPS_PER_PROGRAM))](
+    block_sums = torch.empty((num_rows, num_blocks), dtype=torch.float64, device=logprobs.device)
+    _group_sums_kernel[(num_rows, num_blocks)](
         logprobs,
         logprobs.stride(0),
         rows,
         group_sums,
+        block_sums,
         vocab,
         num_groups,
+        num_blocks,
         BLOCK_GROUP=GROUP,
         BLOCK_GROUPS=GROUPS_PER_PROGRAM,
         INPUT_IS_PROB=logprobs_are_probs,
@@ -170,11 +194,14 @@ def token_draws_forward(logprobs, uniforms, rows, logprobs_are_probs: bool) -> t
         rows,
         uniforms,
         group_sums,
+        block_sums,
         ids,
         vocab,
         num_groups,
+        num_blocks,
         num_draws,
         BLOCK_GROUP=GROUP,
+        BLOCK_GROUPS=GROUPS_PER_PROGRAM,
         DRAWS_PER_STEP=DRAWS_PER_PROGRAM,
         SEARCH_STEP=SEARCH_STEP,
         INPUT_IS_PROB=logprobs_are_probs,

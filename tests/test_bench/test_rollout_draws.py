@@ -31,12 +31,12 @@ def test_every_subject_is_measured_and_k_zero_only_samples(records):
 
 
 def test_the_kernel_reads_the_row_once_and_holds_no_row_sized_buffer(records):
-    """At V = 151936 the kernel's bytes stay near the floor (one read of the row: its group sums and
-    the K re-read groups of 128 tokens come on top, counted load by load, caches not modelled),
-    below the torch path's, which writes and reads an fp32 copy of the row."""
+    """At V = 151936 in fp32 the kernel moves at most 1.1x the floor (one read of the row; its sums
+    and the K re-read groups of 128 tokens come on top, counted load by load, caches not
+    modelled), below the torch path's bytes, which writes and reads an fp32 copy of the row."""
     kernel, torch_path = records[(151936, "kernel")], records[(151936, "torch path")]
     row_bytes = 151936 * 4
-    assert kernel["bytes_moved"] < 1.35 * kernel["floor_bytes"]
+    assert kernel["bytes_moved"] <= 1.1 * kernel["floor_bytes"]
     assert torch_path["bytes_moved"] > 2 * row_bytes > kernel["bytes_moved"]
     assert kernel["peak_extra_bytes"] < row_bytes / 10 < row_bytes <= torch_path["peak_extra_bytes"]
 

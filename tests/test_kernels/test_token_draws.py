@@ -2,8 +2,9 @@
 contract.
 
 Shapes are chosen to break things: V = 1, V below, at and just above one group (128) and one
-streaming program (2048), odd V; K below, at and above one search program (4) and several;
--inf (masked) tokens, which must never be drawn; rows that are not normalised; bf16, fp16 and fp64 log-probs;
+block (2048, a streaming program), odd V, V past 128 blocks (a second step of the block search);
+K below, at and above one search program (4) and several; -inf (masked) tokens, which must never
+be drawn; rows that are not normalised; bf16, fp16 and fp64 log-probs;
 probabilities as input; a subset of rows in scattered order; log-probs strided along V. For the
 same uniforms the kernel must return the reference's ids, except where a uniform lies within
 rounding of a CDF step (counted: none on these seeds). The kernels run on the `device` fixture's
@@ -68,7 +69,7 @@ def assert_reference_ids(logprobs, uniforms, device, rows=None, probs=False):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(
     "rows,vocab,draws",
-    [(3, 1, 5), (4, 7, 1), (5, 128, 16), (6, 129, 17), (3, 2049, 33), (2, 4099, 4)],
+    [(3, 1, 5), (4, 7, 1), (5, 128, 16), (6, 129, 17), (3, 2049, 33), (2, 4099, 4), (1, 128 * 2048 + 7, 5)],
 )
 def test_fp32_ids_are_the_float64_inverse_cdf(device, rows, vocab, draws, seed):
     logprobs = make_logprobs(rows, vocab, seed)
