@@ -104,7 +104,12 @@ def _sglang_sample(step: Step, case: DrawCase):
 
     logits = step.logits  # a fresh copy per run (`measure`): SGLang works in place
     logits.div_(TEMPERATURE)
-    logits[:] = torch.softmax(logits, dim=-1)
+    if logits.is_cuda:  # SGLang's own softmax kernel, as its non-deterministic path calls it
+        from sglang.kernels.ops.sampling import softmax as sampler_softmax
+
+        logits[:] = sampler_softmax(logits)
+    else:  # its deterministic path's (the Triton kernel needs a GPU)
+        logits[:] = torch.softmax(logits, dim=-1)
     ids = sampling_from_probs_torch(logits)
     return ids, torch.log(logits)
 
