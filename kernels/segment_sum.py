@@ -27,34 +27,54 @@ from ._contract import check_segment_sum_inputs
 from ._dispatch import tl, triton, uses_triton
 from .reference import segment_sum_reference
 
-BLOCK_ELEMENTS = 2048  # rows * channels handled by one program
-NUM_WARPS = 8  # 8 elements per thread: 32 registers, full occupancy on Triton 3.6-3.9 (`python -m bench --static`)
+BLOCK_ELEMENTS = 2048  # rows * channels of one tile
+NUM_WARPS = 8  # 8 elements per thread per tile: full occupancy on Triton 3.6-3.9 (`python -m bench --static`)
 MAX_BLOCK_CHANNELS = 16
+# Tiles one forward program sums before its one reduction across threads: a [rows, channels]
+# tile summed over its rows costs shuffles and a shared-memory round for every channel, which
+# per tile was 26 instructions per element at 8 bf16 channels on sm_100 (`python -m bench --static`).
+TILES_PER_PROGRAM = 8
 PARTIALS_PER_STEP = 16  # partial rows the final reduction adds per loop step
 
 
 @triton.jit
-def _block_weights(
-    mask_ptr,
-    segment_ptr,
-    denom_ptr,
-    num_rows,
-    num_channels,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_CHANNELS: tl.constexpr,
-):
-    """This program's rows and channels (64-bit), their in-bounds flags, and the per-row weights
-    m[i] / D_{s(i)} (0 outside the tensor) in the accumulation dtype."""
-    row_block = tl.program_id(0).to(tl.int64)
-    channel_block = tl.program_id(1).to(tl.int64)
-    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
-    channels = channel_block * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS).to(tl.int64)
-    row_ok = rows < num_rows
-    channel_ok = channels < num_channels
+def _tile_rows(tile, num_rows, BLOCK_ROWS: tl.constexpr):
+    """Tile `tile`'s rows (64-bit) and their in-bounds flags."""
+    rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+    return rows, rows < num_rows
+
+
+@triton.jit
+def _tile_channels(channel_block, num_channels, BLOCK_CHANNELS: tl.constexpr):
+    """Channel block `channel_block`'s channels (64-bit) and their in-bounds flags."""
+    channels = channel_block.to(tl.int64) * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS).to(tl.int64)
+    return channels, channels < num_channels
+
+
+@triton.jit
+def _row_weights(mask_ptr, segment_ptr, denom_ptr, rows, row_ok):
+    """m[i] / D_{s(i)} per row, in the accumulation dtype (0 outside the tensor)."""
     mask = tl.load(mask_ptr + rows, mask=row_ok, other=0.0)
     segment = tl.load(segment_ptr + rows, mask=row_ok, other=0)
     denominator = tl.load(denom_ptr + segment, mask=row_ok, other=1.0)
-    return row_block, rows, channels, row_ok, channel_ok, mask / denominator
+    return mask / denominator
+
+
+@triton.jit
+def _tile_access(rows, row_ok, channels, channel_ok, stride_row, stride_channel, FULL_ROWS: tl.constexpr,
+                 BLOCK_CHANNELS: tl.constexpr):  # fmt: skip
+    """A tile's element offsets and in-bounds mask. FULL_ROWS (the host checked that the channels
+    are contiguous and that stride_row and C are multiples of BLOCK_CHANNELS): every tile row is
+    a whole, aligned run of BLOCK_CHANNELS elements, told to the compiler so that each thread's
+    run is one vector access instead of one access per element."""
+    if FULL_ROWS:
+        offsets = (rows * stride_row)[:, None] + channels[None, :]
+        offsets = tl.max_contiguous(tl.multiple_of(offsets, [1, BLOCK_CHANNELS]), [1, BLOCK_CHANNELS])
+        mask = tl.broadcast_to(row_ok[:, None], (rows.shape[0], BLOCK_CHANNELS))
+    else:
+        offsets = (rows * stride_row)[:, None] + channels[None, :] * stride_channel
+        mask = row_ok[:, None] & channel_ok[None, :]
+    return offsets, mask
 
 
 @triton.jit
@@ -68,18 +88,25 @@ def _segment_sum_partials_kernel(
     partials_ptr,
     num_rows,
     num_channels,
+    FULL_ROWS: tl.constexpr,
+    TILES: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
 ):
-    """One program per (row block, channel block): the block's weighted column sums."""
-    row_block, rows, channels, row_ok, channel_ok, weight = _block_weights(
-        mask_ptr, segment_ptr, denom_ptr, num_rows, num_channels, BLOCK_ROWS, BLOCK_CHANNELS
-    )
-    tile = row_ok[:, None] & channel_ok[None, :]
-    offsets = rows[:, None] * stride_row + channels[None, :] * stride_channel
-    values = tl.load(values_ptr + offsets, mask=tile, other=0.0).to(weight.dtype)
-    block_sum = tl.sum(values * weight[:, None], axis=0)
-    tl.store(partials_ptr + row_block * num_channels + channels, block_sum, mask=channel_ok)
+    """One program per (TILES row tiles, channel block): their weighted column sums, accumulated
+    per element over the tiles and reduced across threads once."""
+    program = tl.program_id(0).to(tl.int64)
+    channels, channel_ok = _tile_channels(tl.program_id(1), num_channels, BLOCK_CHANNELS)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_CHANNELS], dtype=denom_ptr.dtype.element_ty)
+    last_tile = tl.minimum(program * TILES + TILES, tl.cdiv(num_rows, BLOCK_ROWS))  # a loop, not 8 copies of its body
+    for tile in range(program * TILES, last_tile):
+        rows, row_ok = _tile_rows(tile, num_rows, BLOCK_ROWS)
+        weight = _row_weights(mask_ptr, segment_ptr, denom_ptr, rows, row_ok)
+        offsets, mask = _tile_access(rows, row_ok, channels, channel_ok, stride_row, stride_channel, FULL_ROWS,
+                                     BLOCK_CHANNELS)  # fmt: skip
+        values = tl.load(values_ptr + offsets, mask=mask, other=0.0)
+        acc += values.to(weight.dtype) * weight[:, None]
+    tl.store(partials_ptr + program * num_channels + channels, tl.sum(acc, axis=0), mask=channel_ok)
 
 
 @triton.jit
@@ -92,9 +119,7 @@ def _sum_partials_kernel(
     BLOCK_CHANNELS: tl.constexpr,
 ):
     """One program per channel block: the row-block partials added in block order."""
-    channel_block = tl.program_id(0).to(tl.int64)
-    channels = channel_block * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS).to(tl.int64)
-    channel_ok = channels < num_channels
+    channels, channel_ok = _tile_channels(tl.program_id(0), num_channels, BLOCK_CHANNELS)
     acc = tl.zeros([BLOCK_PARTIALS, BLOCK_CHANNELS], dtype=out_ptr.dtype.element_ty)
     for start in range(0, num_blocks, BLOCK_PARTIALS):
         blocks = start + tl.arange(0, BLOCK_PARTIALS).to(tl.int64)
@@ -112,24 +137,29 @@ def _segment_sum_bwd_kernel(
     grad_values_ptr,
     num_rows,
     num_channels,
+    FULL_ROWS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
 ):
     """dx[i, c] = g[c] * m[i] / D_{s(i)}, each element written once (grad_values is contiguous)."""
-    _, rows, channels, row_ok, channel_ok, weight = _block_weights(
-        mask_ptr, segment_ptr, denom_ptr, num_rows, num_channels, BLOCK_ROWS, BLOCK_CHANNELS
-    )
+    rows, row_ok = _tile_rows(tl.program_id(0).to(tl.int64), num_rows, BLOCK_ROWS)
+    channels, channel_ok = _tile_channels(tl.program_id(1), num_channels, BLOCK_CHANNELS)
+    weight = _row_weights(mask_ptr, segment_ptr, denom_ptr, rows, row_ok)
     grad_out = tl.load(grad_out_ptr + channels, mask=channel_ok, other=0.0).to(weight.dtype)
     grad = weight[:, None] * grad_out[None, :]
-    tile = row_ok[:, None] & channel_ok[None, :]
-    offsets = rows[:, None] * num_channels + channels[None, :]
-    tl.store(grad_values_ptr + offsets, grad.to(grad_values_ptr.dtype.element_ty), mask=tile)
+    offsets, mask = _tile_access(rows, row_ok, channels, channel_ok, num_channels, 1, FULL_ROWS, BLOCK_CHANNELS)
+    tl.store(grad_values_ptr + offsets, grad.to(grad_values_ptr.dtype.element_ty), mask=mask)
 
 
 def _blocks(num_channels: int):
-    """(rows, channels) per program; depends only on C, so a given C always reduces the same way."""
+    """(rows, channels) per tile; depends only on C, so a given C always reduces the same way."""
     block_channels = min(MAX_BLOCK_CHANNELS, triton.next_power_of_2(max(num_channels, 1)))
     return BLOCK_ELEMENTS // block_channels, block_channels
+
+
+def _full_rows(num_channels: int, stride_row: int, stride_channel: int, block_channels: int) -> bool:
+    """Whether every tile row is a whole, aligned run of contiguous channels (`_tile_access`)."""
+    return stride_channel == 1 and stride_row % block_channels == 0 and num_channels % block_channels == 0
 
 
 def segment_sum_forward(values, mask, segment_ids, denominators) -> torch.Tensor:
@@ -137,12 +167,12 @@ def segment_sum_forward(values, mask, segment_ids, denominators) -> torch.Tensor
     and denominators in the accumulation dtype, int64 segment ids; returns [C] in that dtype."""
     num_rows, num_channels = values.shape
     block_rows, block_channels = _blocks(num_channels)
-    row_blocks = triton.cdiv(num_rows, block_rows)
+    programs = triton.cdiv(triton.cdiv(num_rows, block_rows), TILES_PER_PROGRAM)
     channel_blocks = triton.cdiv(num_channels, block_channels)
-    partials = torch.empty((row_blocks, num_channels), dtype=denominators.dtype, device=values.device)
+    partials = torch.empty((programs, num_channels), dtype=denominators.dtype, device=values.device)
     out = torch.empty((num_channels,), dtype=denominators.dtype, device=values.device)
     if num_rows > 0 and num_channels > 0:
-        _segment_sum_partials_kernel[(row_blocks, channel_blocks)](
+        _segment_sum_partials_kernel[(programs, channel_blocks)](
             values,
             values.stride(0),
             values.stride(1),
@@ -152,6 +182,8 @@ def segment_sum_forward(values, mask, segment_ids, denominators) -> torch.Tensor
             partials,
             num_rows,
             num_channels,
+            FULL_ROWS=_full_rows(num_channels, values.stride(0), values.stride(1), block_channels),
+            TILES=TILES_PER_PROGRAM,
             BLOCK_ROWS=block_rows,
             BLOCK_CHANNELS=block_channels,
             num_warps=NUM_WARPS,
@@ -160,7 +192,7 @@ def segment_sum_forward(values, mask, segment_ids, denominators) -> torch.Tensor
         _sum_partials_kernel[(channel_blocks,)](
             partials,
             out,
-            row_blocks,
+            programs,
             num_channels,
             BLOCK_PARTIALS=PARTIALS_PER_STEP,
             BLOCK_CHANNELS=block_channels,
@@ -183,6 +215,7 @@ def values_grad(grad_out, mask, segment_ids, denominators, values_dtype) -> torc
             grad_values,
             num_rows,
             num_channels,
+            FULL_ROWS=_full_rows(num_channels, num_channels, 1, block_channels),
             BLOCK_ROWS=block_rows,
             BLOCK_CHANNELS=block_channels,
             num_warps=NUM_WARPS,

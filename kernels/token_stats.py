@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ._contract import KERNEL_DTYPES, TokenStats, as_2d_logits, check_no_self_overlap, check_token_stats_inputs
-from ._dispatch import tl, triton, uses_triton
+from ._dispatch import _INTERPRETED_AT_IMPORT, tl, triton, uses_triton
 from ._tp import group_name, resolve_tp, tp_from_group_name
 from .reference import token_stats_reference
 
@@ -43,6 +43,9 @@ LN2 = 0.6931471805599453  # back to natural units, once per row on the host
 # not 0 * -inf = NaN; FLOOR is far enough from fp32's limit that coefficients up to 1e20 keep the
 # factor finite, and far below any logit whose probability is not 0 anyway.
 FLOOR = tl.constexpr(-1e18)
+# Compiled kernels take the 2-byte row max two elements per instruction (`_pair_max`); the
+# interpreter has no inline PTX.
+PACKED_MAX = tl.constexpr(not _INTERPRETED_AT_IMPORT)
 # Id pairs the backward's repeated-id sums compare at once: a [J_BLOCK, chunk] tile (`id_chunk`).
 ID_PAIRS = 1024
 
@@ -115,7 +118,41 @@ def _load_tile(row_ptr, cols, vocab_local, other, MASKED: tl.constexpr):
         x = tl.load(row_ptr + cols, mask=cols < vocab_local, other=other, eviction_policy="evict_first")
     else:
         x = tl.load(row_ptr + cols, eviction_policy="evict_first")
-    return x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _pair_max(a, b, PACKED: tl.constexpr):
+    """Elementwise max of two 2-byte tiles, in their dtype. Compiled: one max.bf16x2 / max.f16x2
+    per two elements, where tl.maximum widens each element to fp32 first (a PRMT or shift per
+    element before its FMNMX); exact, as max commutes with widening. Interpreted (no inline PTX):
+    tl.maximum, the same values."""
+    if not PACKED:
+        result = tl.maximum(a, b).to(a.dtype)
+    elif a.dtype == tl.bfloat16:
+        result = tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=a.dtype, is_pure=True, pack=2)
+    else:
+        result = tl.inline_asm_elementwise("max.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=a.dtype, is_pure=True, pack=2)
+    return result
+
+
+@triton.jit
+def _halves_max(x, SLOTS: tl.constexpr, WIDTH: tl.constexpr, PACKED: tl.constexpr):
+    """[SLOTS, WIDTH] -> [SLOTS, WIDTH / 2]: the max of each slot's first and second half, column
+    by column (both halves in the same thread's registers: no data moves)."""
+    low, high = tl.split(tl.permute(tl.reshape(x, [SLOTS, 2, WIDTH // 2]), (0, 2, 1)))
+    return _pair_max(low, high, PACKED)
+
+
+@triton.jit
+def _slot_max(x):
+    """Each slot's max over its raw logits x [SLOTS, VEC], as fp32. 2-byte logits (VEC = 8) are
+    halved twice in their own dtype and only the last two widened."""
+    SLOTS: tl.constexpr = x.shape[0]
+    VEC: tl.constexpr = x.shape[1]
+    if x.dtype.primitive_bitwidth == 16 and VEC == 8:
+        x = _halves_max(_halves_max(x, SLOTS, VEC, PACKED_MAX), SLOTS, VEC // 2, PACKED_MAX)
+    return tl.max(x.to(tl.float32), axis=1)
 
 
 @triton.jit
@@ -137,7 +174,8 @@ def _online_softmax_step(x, running_max, exp_sum, centered_sum, scale, WITH_ENTR
     Exponents are formed from raw differences to the slot max, (x - m) * s, which are exact near
     the max, never from x * s minus a large reference, whose rounding would grow with |logits| / T.
     """
-    new_max = tl.maximum(running_max, tl.max(x, axis=1))
+    new_max = tl.maximum(running_max, _slot_max(x))
+    x = x.to(tl.float32)
     # A slot that has seen only -inf keeps sums of 0 around any finite reference; 0 keeps
     # -inf - -inf = NaN out of the rebase.
     reference = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -233,7 +271,7 @@ def _softmax_term(x, row_max, scale, log2_sum, k1, k2, WITH_ENTROPY: tl.constexp
 def _write_softmax_term(grad_row_ptr, row_ptr, cols, vocab_local, row_max, scale, log2_sum, k1, k2,
                         WITH_ENTROPY: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """One trip of the backward's streamed write."""
-    x = _load_tile(row_ptr, cols, vocab_local, float("-inf"), MASKED)  # masked lanes: p = 0
+    x = _load_tile(row_ptr, cols, vocab_local, float("-inf"), MASKED).to(tl.float32)  # masked lanes: p = 0
     grad = _softmax_term(x, row_max, scale, log2_sum, k1, k2, WITH_ENTROPY).to(grad_row_ptr.dtype.element_ty)
     if MASKED:
         tl.store(grad_row_ptr + cols, grad, mask=cols < vocab_local, eviction_policy="evict_first")

@@ -54,8 +54,8 @@ SHAPES = [
     # (N, C, S): C None means 1-D values
     (300, None, 7),
     (1, 1, 1),
-    (1029, 3, 11),  # 1024-row blocks for C = 3: two blocks, the second nearly empty
-    (4400, 16, 9),  # 256-row blocks: 18 partials, more than one reduction step
+    (1029, 3, 11),  # 512-row tiles for C = 3: three tiles, the last nearly empty
+    (4400, 16, 9),  # 128-row tiles, 8 a program: 5 partials, the last of 3 tiles
     (333, 20, 5),  # two channel blocks, the second partial
 ]
 # The full tier: every combination of these axes (N around the 256- and 1024-row blocks, C = None,
@@ -111,6 +111,17 @@ def test_strided_values_read_in_place(device):
     on_device = base.to(device).t().contiguous().t()[:, ::2]  # made where it lives: a copy would be contiguous
     out, grad = value_and_grad(segment_sum, on_device, mask, segments, denominators, device=device)
     truth, truth_grad = value_and_grad(segment_sum_reference, strided.double(), mask, segments, denominators)
+    assert rel_err(out, truth) < FP32_TOL and rel_err(grad, truth_grad) < FP32_TOL
+
+
+def test_a_column_slice_of_a_wider_tensor_is_read_in_place(device):
+    """Whole aligned rows of channels with a row stride past C (a [:, :32] slice of [N, 48]):
+    the vector-access path, two channel blocks, and 18 programs' partials, more than one step of
+    the final reduction."""
+    wide, mask, segments, denominators = make_inputs(17500, 48, 40, seed=5)
+    sliced = wide.to(device)[:, :32]
+    out, grad = value_and_grad(segment_sum, sliced, mask, segments, denominators, device=device)
+    truth, truth_grad = value_and_grad(segment_sum_reference, wide[:, :32].double(), mask, segments, denominators)
     assert rel_err(out, truth) < FP32_TOL and rel_err(grad, truth_grad) < FP32_TOL
 
 
