@@ -126,9 +126,10 @@ def _pair_max(a, b, PACKED: tl.constexpr):
     """Elementwise max of two 2-byte tiles, in their dtype. Compiled: one max.bf16x2 / max.f16x2
     per two elements, where tl.maximum widens each element to fp32 first (a PRMT or shift per
     element before its FMNMX); exact, as max commutes with widening. Interpreted (no inline PTX):
-    tl.maximum, the same values."""
+    tl.maximum of the widened pair, the same values (Triton 3.9's interpreter compares bf16 tiles
+    wrongly: max(-0.72, 1.54) = -0.72)."""
     if not PACKED:
-        result = tl.maximum(a, b).to(a.dtype)
+        result = tl.maximum(a.to(tl.float32), b.to(tl.float32)).to(a.dtype)
     elif a.dtype == tl.bfloat16:
         result = tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=a.dtype, is_pure=True, pack=2)
     else:

@@ -64,7 +64,7 @@ def _logp_entropy_grad(fn, logits, ids, weights, entropy_weights, temperature):
 
 
 def _truth_and_eager(logits, ids, weights, entropy_weights, temperature):
-    """float64 truth of the fp32 logits, and eager fp32."""
+    """float64 truth of the logits, and eager in their dtype."""
 
     def reference(x, i, t):
         return token_stats_reference(x, i, temperature=t, with_entropy=True)
@@ -103,6 +103,33 @@ def test_token_stats_fp32_no_worse_than_eager(scale, shift, temperature, device)
                                   entropy_weights.to(device), temperature)  # fmt: skip
         per_seed.append(_errors(to_cpu(ours), eager, truth))
     _assert_no_worse_than_eager(per_seed, (scale, shift, temperature))
+
+
+# 2-byte logits at the scales where a slot max one element off overflows the exp-sum: the kernels
+# take the 2-byte max in the logits' own dtype (kernels/token_stats.py `_slot_max`).
+LOW_PRECISION_SCALES = [(100, 0, 1.0), (1000, 0, 0.3), (3, 1000, 1.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale,shift,temperature", LOW_PRECISION_SCALES)
+def test_token_stats_2byte_finite_and_no_worse_than_eager(dtype, scale, shift, temperature, device):
+    """bf16 / fp16 logits: every output finite, and no worse than eager in the same dtype against
+    the float64 truth of the same 2-byte inputs."""
+
+    def fused(x, i, t):
+        return token_stats(x, i, temperature=t, with_entropy=True)
+
+    per_seed = []
+    for seed in SEEDS[:5]:
+        logits, ids, weights, entropy_weights = _case(scale, shift, seed)
+        logits = logits.to(dtype)
+        truth, eager = _truth_and_eager(logits, ids, weights, entropy_weights, temperature)
+        ours = to_cpu(_logp_entropy_grad(fused, logits.to(device), ids.to(device), weights.to(device),
+                                         entropy_weights.to(device), temperature))  # fmt: skip
+        for name, value in zip(("logp", "entropy", "grad"), ours):
+            assert torch.isfinite(value).all(), f"{dtype} {(scale, shift, temperature)} seed {seed}: {name} not finite"
+        per_seed.append(_errors(ours, eager, truth))
+    _assert_no_worse_than_eager(per_seed, (dtype, scale, shift, temperature))
 
 
 def _two_rank_combine(logits, ids, weights, entropy_weights, temperature, device):
